@@ -1,0 +1,102 @@
+"""Latency coefficients as data: ``fits/*.yaml`` → `Coefficients(alpha, beta, provenance)`.
+
+Pure Python, no jax. `blis_jax.latency.build_latency_model` turns them into arrays.
+"""
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from blis_jax.errors import ConfigError
+
+FITS_DIR = Path(__file__).resolve().parents[2] / "fits"
+DEFAULT_FIT = FITS_DIR / "trained-physics-iter29.yaml"
+
+NUM_ALPHA = 3
+MIN_BETA, MAX_BETA = 7, 11  # trained-physics modes are set by the number of betas
+
+
+@dataclasses.dataclass(frozen=True)
+class Coefficients:
+    """``alpha`` (3 values, µs) and ``beta`` (7..11 values; the count selects the mode)."""
+
+    alpha: tuple[float, ...]
+    beta: tuple[float, ...]
+    provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "alpha", check_alpha(self.alpha))
+        object.__setattr__(self, "beta", check_beta(self.beta))
+
+
+def _finite_values(values: Any, what: str) -> tuple[float, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        try:
+            values = list(values)  # numpy arrays
+        except TypeError:
+            raise ConfigError(f"{what} must be a list of numbers, got {values!r}") from None
+    out = []
+    for i, v in enumerate(values):
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok:
+            try:
+                v = float(v)  # numpy scalars
+                ok = True
+            except (TypeError, ValueError):
+                ok = False
+        if not ok or not math.isfinite(float(v)):
+            raise ConfigError(f"{what}[{i}] = {v!r} must be a finite number")
+        out.append(float(v))
+    return tuple(out)
+
+
+def check_alpha(alpha: Any) -> tuple[float, ...]:
+    """Validate alpha: exactly 3 finite numbers (ConfigError names the index)."""
+    values = _finite_values(alpha, "alpha")
+    if len(values) != NUM_ALPHA:
+        raise ConfigError(f"alpha has {len(values)} values; exactly {NUM_ALPHA} are needed")
+    return values
+
+
+def check_beta(beta: Any, min_len: int = MIN_BETA) -> tuple[float, ...]:
+    """Validate beta: 7..11 finite numbers (ConfigError names the index)."""
+    values = _finite_values(beta, "beta")
+    if not min_len <= len(values) <= MAX_BETA:
+        raise ConfigError(
+            f"beta has {len(values)} values; trained-physics needs {min_len} to {MAX_BETA} "
+            "(7/8: max-form prefill and decode, 9: split prefill, 10: split decode, "
+            "11: explicit MoE-dispatch coefficient)"
+        )
+    return values
+
+
+def load_coefficients(path: str | Path | None = None) -> Coefficients:
+    """Read a coefficient YAML (keys ``alpha``, ``beta``, anything else is provenance).
+
+    ``None`` loads the shipped default, ``fits/trained-physics-iter29.yaml``.
+    """
+    path = Path(path) if path is not None else DEFAULT_FIT
+    if not path.is_file():
+        raise ConfigError(f"coefficient file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"coefficient file {path}: not valid YAML ({e})") from e
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"coefficient file {path}: expected a mapping with alpha and beta")
+    missing = [k for k in ("alpha", "beta") if k not in data]
+    if missing:
+        raise ConfigError(f"coefficient file {path}: missing key(s) {missing}")
+    try:
+        return Coefficients(
+            alpha=data["alpha"],
+            beta=data["beta"],
+            provenance={k: v for k, v in data.items() if k not in ("alpha", "beta")}
+            | {"path": str(path)},
+        )
+    except ConfigError as e:
+        raise ConfigError(f"coefficient file {path}: {e}") from None

@@ -1,0 +1,213 @@
+"""vLLM continuous batching: form one step's batch (blis-features §2.5, §2.6).
+
+Phase 1 gives every running request, in batch order, its next prefill chunk or one decode
+token under the step's token budget. When the KV blocks for all of them fit (the common case)
+this is one vectorized allocation; otherwise an exact request-by-request pass runs with
+recompute preemption (victim: batch tail for `fcfs`, least urgent / latest arrival for
+`priority`). Phase 2 then admits waiting requests head-of-line, claiming prefix-cache hits,
+unless a preemption happened this step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from blis_jax.engine import kv, waitqueue
+from blis_jax.engine.dims import EngineDims
+from blis_jax.engine.params import EngineParams
+from blis_jax.engine.state import (
+    QUEUED,
+    ROW_FREE,
+    ROW_PREEMPTED,
+    ROW_RUNNING,
+    RUNNING,
+    EngineState,
+    RequestArrays,
+)
+from blis_jax.engine import results
+
+
+def remove_batch_slots(state: EngineState, dims: EngineDims, drop) -> EngineState:
+    """Remove the masked slots from the running batch, keeping the order of the rest."""
+    slots = jnp.arange(dims.batch_slots)
+    keep = (slots < state.batch_len) & ~drop
+    dest = jnp.where(keep, jnp.cumsum(keep) - 1, dims.batch_slots)
+    batch_rows = jnp.full_like(state.batch_rows, -1).at[dest].set(state.batch_rows, mode="drop")
+    return dataclasses.replace(state, batch_rows=batch_rows, batch_len=jnp.sum(keep).astype(jnp.int32))
+
+
+def wanted_tokens(state: EngineState, params: EngineParams, req: RequestArrays, rows, valid):
+    """Tokens each running request would take this step with an unlimited budget."""
+    safe = jnp.maximum(rows, 0)
+    r = jnp.maximum(state.row_req[safe], 0)
+    progress = state.row_progress[safe]
+    input_len, output_len = req.input_len[r], req.output_len[r]
+    mml = params.max_model_len
+    chunk_cap = params.long_prefill_token_threshold
+    prefill = input_len - progress
+    prefill = jnp.where((chunk_cap > 0) & (chunk_cap < prefill), chunk_cap, prefill)
+    prefill = jnp.where(mml > 0, jnp.minimum(prefill, jnp.maximum(mml - 1 - progress, 0)), prefill)
+    decode = jnp.where((output_len > 0) & ~((mml > 0) & (progress + 1 > mml - 1)), 1, 0)
+    return jnp.where(valid, jnp.where(progress < input_len, prefill, decode), 0)
+
+
+def _preempt(state: EngineState, dims: EngineDims, req: RequestArrays, slot, budget, active):
+    """Recompute preemption of the request in batch `slot`: back to the queue head with its
+    progress, ITL samples and KV blocks dropped (its block table is kept for re-hits)."""
+    row = jnp.maximum(state.batch_rows[slot], 0)
+    r = state.row_req[row]
+    budget = budget + jnp.where(active, state.row_new[row], 0)
+    state = kv.release_row(state, dims, row, active)
+    at_row = jnp.where(active, row, dims.rows)
+    at_r = jnp.where(active, r, dims.num_requests)
+    state = dataclasses.replace(
+        state,
+        row_state=state.row_state.at[at_row].set(ROW_PREEMPTED, mode="drop"),
+        row_progress=state.row_progress.at[at_row].set(0, mode="drop"),
+        row_kv_tokens=state.row_kv_tokens.at[at_row].set(0, mode="drop"),
+        row_new=state.row_new.at[at_row].set(0, mode="drop"),
+        row_ttft_set=state.row_ttft_set.at[at_row].set(False, mode="drop"),
+        status=state.status.at[at_r].set(QUEUED, mode="drop"),
+        num_itl=state.num_itl.at[at_r].set(0, mode="drop"),
+        itl_sum=state.itl_sum.at[at_r].set(0, mode="drop"),
+        preemptions=state.preemptions + active,
+    )
+    state = remove_batch_slots(state, dims, active & (jnp.arange(dims.batch_slots) == slot))
+    return waitqueue.push_front(state, dims, req, r, active), budget
+
+
+def _victim_slot(state: EngineState, dims: EngineDims, req: RequestArrays):
+    if dims.preemption_policy == "fcfs":
+        return state.batch_len - 1
+    slots = jnp.arange(dims.batch_slots)
+    r = jnp.maximum(state.row_req[jnp.maximum(state.batch_rows, 0)], 0)
+    # least urgent (largest vLLM priority), then latest arrival; ties go to the later slot
+    key = req.priority[r] * (1 << 44) + req.arrival[r]
+    key = jnp.where(slots < state.batch_len, key, -1)
+    return dims.batch_slots - 1 - jnp.argmax(key[::-1])
+
+
+def _schedule_running_exact(state, dims, params, req, budget):
+    """Phase 1 request by request, preempting on allocation failure. Each iteration either
+    allocates for request i or preempts one victim and retries."""
+
+    def cond(c):
+        state, i, budget, _, stop = c
+        return ~stop & (i < state.batch_len) & (budget > 0)
+
+    def body(c):
+        state, i, budget, preempted, _ = c
+        row = state.batch_rows[i]
+        want = wanted_tokens(state, params, req, row[None], jnp.asarray([True]))[0]
+        n = jnp.minimum(want, budget)
+        need = kv.blocks_needed(dims, state.row_nblocks[row], state.row_kv_tokens[row], n)
+        fits = need <= state.free_count
+        state = kv.allocate_rows(state, dims, req, row[None], n[None], (fits & (n > 0))[None], params.total_kv_blocks)
+        state = dataclasses.replace(
+            state, row_new=state.row_new.at[jnp.where(fits, row, dims.rows)].set(n, mode="drop")
+        )
+        victim = _victim_slot(state, dims, req)
+        state, budget = _preempt(state, dims, req, victim, jnp.where(fits, budget - n, budget), ~fits)
+        # the requester itself was the victim: its allocation fails and phase 1 ends
+        stop = ~fits & (victim == i)
+        i = jnp.where(fits, i + 1, jnp.where(victim < i, i - 1, i))
+        return state, i, budget, preempted | ~fits, stop
+
+    state, _, budget, preempted, _ = jax.lax.while_loop(
+        cond, body, (state, jnp.int32(0), budget, jnp.asarray(False), jnp.asarray(False))
+    )
+    return state, budget, preempted
+
+
+def schedule_running(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, active):
+    """Phase 1. Returns (state, budget left, whether a preemption happened)."""
+    slots = jnp.arange(dims.batch_slots)
+    valid = active & (slots < state.batch_len)
+    rows = state.batch_rows
+    budget = params.max_num_batched_tokens
+    want = wanted_tokens(state, params, req, rows, valid)
+    # Under a shared budget each request gets min(want, what earlier ones left): a clamp of the
+    # exclusive prefix sum.
+    n = jnp.clip(budget - (jnp.cumsum(want) - want), 0, want)
+    safe = jnp.maximum(rows, 0)
+    need = jnp.where(valid, kv.blocks_needed(dims, state.row_nblocks[safe], state.row_kv_tokens[safe], n), 0)
+    fits = jnp.sum(need) <= state.free_count
+    state = kv.allocate_rows(state, dims, req, rows, n, valid & (n > 0) & fits, params.total_kv_blocks)
+    row_new = state.row_new.at[jnp.where(valid & fits, rows, dims.rows)].set(n, mode="drop")
+    state = dataclasses.replace(state, row_new=row_new)
+    budget_left = jnp.where(fits, budget - jnp.sum(n), budget)
+
+    # Exact pass only when the blocks do not fit; a while_loop runs only for lanes that need it.
+    def cond(c):
+        return c[3]
+
+    def body(c):
+        state, budget, _, _ = c
+        state, budget, preempted = _schedule_running_exact(state, dims, params, req, budget)
+        return state, budget, preempted, jnp.asarray(False)
+
+    state, budget_left, preempted, _ = jax.lax.while_loop(
+        cond, body, (state, budget_left, jnp.asarray(False), active & ~fits)
+    )
+    return state, budget_left, preempted
+
+
+def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, budget, preempted,
+                  active):
+    """Phase 2: admit queue heads while batch room, budget and KV blocks allow."""
+    bs = dims.block_size
+
+    def cond(c):
+        state, budget, stop = c
+        return (active & ~stop & ~preempted & (state.batch_len < params.max_num_seqs) & (state.wait_len > 0)
+                & (budget > 0))
+
+    def body(c):
+        state, budget, _ = c
+        state, r, _ = waitqueue.head(state, dims)
+        n_hit, cached = kv.cached_prefix(state, dims, req, r)
+        start = n_hit * bs
+        n = req.input_len[r] - start
+        cap = params.long_prefill_token_threshold
+        n = jnp.where((cap > 0) & (cap < n), cap, n)
+        n = jnp.minimum(n, budget)
+        mml = params.max_model_len
+        n = jnp.where(mml > 0, jnp.minimum(n, jnp.maximum(mml - 1 - start, 0)), n)
+        j = jnp.arange(dims.blocks_per_request)
+        cached_on_free_list = jnp.sum((j < n_hit) & state.block_free[jnp.maximum(cached, 0)])
+        admit = (n + bs - 1) // bs + cached_on_free_list <= state.free_count
+
+        old_row = state.row_of[r]
+        free_row = jnp.argmax(state.row_state == ROW_FREE)
+        no_row = admit & (old_row < 0) & (state.row_state[free_row] != ROW_FREE)
+        row = jnp.where(old_row >= 0, old_row, free_row).astype(jnp.int32)
+        at_row = jnp.where(admit, row, dims.rows)
+        state = kv.claim_cached(state, dims, row, cached, n_hit, admit)
+        state = dataclasses.replace(
+            state,
+            row_req=state.row_req.at[at_row].set(r, mode="drop"),
+            row_state=state.row_state.at[at_row].set(ROW_RUNNING, mode="drop"),
+            row_progress=state.row_progress.at[at_row].set(0, mode="drop"),
+            row_kv_tokens=state.row_kv_tokens.at[at_row].set(start, mode="drop"),
+            row_ttft_set=state.row_ttft_set.at[at_row].set(False, mode="drop"),
+            row_of=state.row_of.at[jnp.where(admit, r, dims.num_requests)].set(row, mode="drop"),
+            result=state.result | jnp.where(no_row, results.ROWS_FULL, 0).astype(jnp.int32),
+        )
+        state = kv.allocate_rows(state, dims, req, row[None], n[None], admit[None], params.total_kv_blocks)
+        state = waitqueue.pop_head(state, dims, admit)
+        at_r = jnp.where(admit, r, dims.num_requests)
+        state = dataclasses.replace(
+            state,
+            row_new=state.row_new.at[at_row].set(n, mode="drop"),
+            batch_rows=state.batch_rows.at[jnp.where(admit, state.batch_len, dims.batch_slots)].set(row, mode="drop"),
+            batch_len=state.batch_len + admit,
+            status=state.status.at[at_r].set(RUNNING, mode="drop"),
+            sched_delay=state.sched_delay.at[at_r].set(state.now - req.arrival[r], mode="drop"),
+        )
+        return state, jnp.where(admit, budget - n, budget), ~admit
+
+    state, budget, _ = jax.lax.while_loop(cond, body, (state, budget, jnp.asarray(False)))
+    return state

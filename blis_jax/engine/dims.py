@@ -1,0 +1,96 @@
+"""Static capacities of one compiled engine program.
+
+Every buffer in the engine state has a fixed size chosen here, host-side, from the scenario.
+Sizes are rounded up to buckets (powers of two) so that nearby scenarios share one compiled
+program; the dynamic numbers themselves (rates, KV blocks, batch limits) live in
+`EngineParams` and never trigger a recompile. A buffer that fills up inside the jitted loop
+stops the run with a result code (see `results.py`) instead of dropping data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+SCHEDULERS = ("fcfs", "priority-fcfs", "sjf")
+PREEMPTION_POLICIES = ("fcfs", "priority")
+
+
+def bucket(n: int, minimum: int = 8) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(int(n), minimum)
+    return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineDims:
+    """Hashable static shape and structure of one engine program."""
+
+    num_requests: int  # request arrays (padded)
+    batch_slots: int  # running batch capacity (>= max_num_seqs)
+    preempted_slots: int  # preempted requests waiting with their retained block tables
+    kv_blocks: int  # KV block pool capacity (>= total_kv_blocks)
+    blocks_per_request: int  # block-table row length
+    alloc_blocks: int  # most blocks popped by one allocation call
+    free_ring: int  # released-block FIFO capacity (LRU free list)
+    prefix_groups: int
+    prefix_blocks: int  # shared full blocks per prefix group
+    itl_samples: int  # ITL sample buffer (sum of output lengths)
+    block_size: int
+    scheduler: str = "fcfs"
+    preemption_policy: str = "fcfs"
+    wait_slots: int = 8  # wait-window capacity for priority-ordered schedulers
+
+    @property
+    def rows(self) -> int:
+        """Block-table rows: running requests plus preempted ones that keep their old table."""
+        return self.batch_slots + self.preempted_slots
+
+
+def choose_dims(
+    *,
+    input_len: np.ndarray,
+    output_len: np.ndarray,
+    prefix_group: np.ndarray,
+    prefix_len: np.ndarray,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    total_kv_blocks: int,
+    block_size: int,
+    scheduler: str = "fcfs",
+    preemption_policy: str = "fcfs",
+    growth: int = 1,
+) -> EngineDims:
+    """Pick bucketed capacities for a request set and engine settings.
+
+    `growth` multiplies the capacities that can overflow at run time (preempted slots, free
+    ring, wait window); the driver retries with a larger growth on an overflow result code.
+    """
+    n = len(input_len)
+    max_tokens = int(np.max(input_len + output_len)) if n else 1
+    per_request = math.ceil((max_tokens + 2) / block_size) + 1
+    batch = bucket(max_num_seqs)
+    kv = bucket(total_kv_blocks, 16)
+    groups = int(prefix_group.max()) + 1 if n and prefix_group.max() >= 0 else 1
+    shared = int((prefix_len // block_size).max()) if n else 0
+    # One step allocates at most: every prefill chunk under the token budget, plus one block per
+    # running request (decode boundary or a partial first block of each chunk).
+    alloc = bucket(max_num_batched_tokens // block_size + 2 * batch + 2)
+    return EngineDims(
+        num_requests=bucket(n),
+        batch_slots=batch,
+        preempted_slots=bucket(min(batch, max(n, 1)) * growth),
+        kv_blocks=kv,
+        blocks_per_request=bucket(per_request),
+        alloc_blocks=alloc,
+        free_ring=bucket(2 * kv * growth),
+        prefix_groups=bucket(groups, 1),
+        prefix_blocks=bucket(shared + 1, 1),
+        itl_samples=bucket(int(np.maximum(output_len, 1).sum()) + 1),
+        block_size=int(block_size),
+        scheduler=scheduler,
+        preemption_policy=preemption_policy,
+        wait_slots=bucket(min(max(n, 1), 4096) * growth) if scheduler != "fcfs" else 8,
+    )

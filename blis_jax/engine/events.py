@@ -1,0 +1,250 @@
+"""The three instance events and the choice of which one fires next.
+
+BLIS orders same-tick events Queued < Step < Timeout (blis-features §2.1); at most one step
+is pending; an enqueue on an idle instance starts a step at the same tick. Each handler is a
+pure function state -> state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from blis_jax import latency
+from blis_jax.engine import batch, kv, waitqueue
+from blis_jax.engine.dims import EngineDims
+from blis_jax.engine.params import INF_TIME, EngineParams
+from blis_jax.engine.state import (
+    COMPLETED,
+    DROPPED,
+    LENGTH_CAPPED,
+    QUEUED,
+    ROW_FREE,
+    RUNNING,
+    TIMED_OUT,
+    EngineState,
+    RequestArrays,
+)
+
+ENQUEUE, STEP, TIMEOUT = 0, 1, 2
+
+
+def next_event(state: EngineState, req: RequestArrays):
+    """(kind, time) of the next event; time is INF_TIME when nothing is left."""
+    n = state.enqueue_order.shape[0]
+    t_enqueue = state.enqueue_time[state.enqueue_order[jnp.minimum(state.enq_pos, n - 1)]]
+    t_enqueue = jnp.where(state.enq_pos < n, t_enqueue, INF_TIME)
+    t_step = jnp.where(state.step_pending, state.next_step, INF_TIME)
+    t_timeout = req.deadline[state.deadline_order[jnp.minimum(state.dl_pos, n - 1)]]
+    t_timeout = jnp.where(state.dl_pos < state.num_deadlines, t_timeout, INF_TIME)
+    kind = jnp.where(
+        (t_enqueue <= t_step) & (t_enqueue <= t_timeout), ENQUEUE, jnp.where(t_step <= t_timeout, STEP, TIMEOUT)
+    )
+    time = jnp.minimum(jnp.minimum(t_enqueue, t_step), t_timeout)
+    return kind, time
+
+
+def _ensure_step(state: EngineState, active) -> EngineState:
+    """Work conservation: an idle instance with work starts a step now."""
+    start = active & ~state.step_pending & ((state.wait_len > 0) | (state.batch_len > 0))
+    return dataclasses.replace(
+        state, step_pending=state.step_pending | start, next_step=jnp.where(start, state.now, state.next_step)
+    )
+
+
+def _detach_itl(state: EngineState):
+    """Take the (large) ITL sample buffer out of the state while nested loops run: a loop
+    carrying it would copy it on entry."""
+    return dataclasses.replace(state, itl_samples=jnp.zeros((0,), jnp.int64)), state.itl_samples
+
+
+def _advance_clock(state: EngineState, now, active) -> EngineState:
+    return dataclasses.replace(
+        state,
+        now=jnp.where(active, now, state.now),
+        sim_end=jnp.where(active, jnp.maximum(state.sim_end, now), state.sim_end),
+    )
+
+
+# Handlers are branch-free: each takes `active` and is a no-op when it is False. The loop body
+# runs all three with one of them active, instead of lax.switch/cond, because a conditional
+# would copy the whole state (the ITL buffer is megabytes) on every event.
+
+
+def enqueue(state, dims: EngineDims, params: EngineParams, req: RequestArrays, model, active) -> EngineState:
+    """QueuedEvent: enqueue guards, then the request joins the wait queue."""
+    n = state.enqueue_order.shape[0]
+    r = state.enqueue_order[jnp.minimum(state.enq_pos, n - 1)]
+    now = state.enqueue_time[r]
+    state = _advance_clock(state, now, active)
+    state = dataclasses.replace(state, enq_pos=state.enq_pos + active)
+    input_len, output_len = req.input_len[r], req.output_len[r]
+    mml = params.max_model_len
+    too_long = (mml > 0) & ((input_len >= mml) | ((output_len > 0) & (input_len + output_len > mml)))
+    too_big = (input_len + dims.block_size - 1) // dims.block_size > params.total_kv_blocks
+    dropped = active & (too_long | too_big)
+    past_due = active & ~dropped & (req.deadline[r] > 0) & (req.deadline[r] <= now)
+    queued = active & ~dropped & ~past_due
+    status = jnp.where(dropped, DROPPED, jnp.where(past_due, TIMED_OUT, QUEUED))
+    state = dataclasses.replace(
+        state,
+        status=state.status.at[jnp.where(active, r, dims.num_requests)].set(status, mode="drop"),
+        dropped=state.dropped + dropped,
+        timed_out=state.timed_out + past_due,
+        total_input_tokens=state.total_input_tokens + jnp.where(active & ~dropped, input_len, 0),
+    )
+    state = waitqueue.push_back(state, dims, req, r, queued)
+    return _ensure_step(state, active)
+
+
+def timeout(state, dims: EngineDims, params: EngineParams, req: RequestArrays, model, active) -> EngineState:
+    """TimeoutEvent: a waiting or running request past its deadline leaves and frees its KV.
+    A timeout for a finished (or not yet enqueued) request is discarded without a clock tick."""
+    n = state.deadline_order.shape[0]
+    r = state.deadline_order[jnp.minimum(state.dl_pos, n - 1)]
+    state, itl_samples = _detach_itl(dataclasses.replace(state, dl_pos=state.dl_pos + active))
+    status = state.status[r]
+    waiting = active & (status == QUEUED)
+    running = active & (status == RUNNING)
+    fires = waiting | running
+    row = state.row_of[r]
+    has_row = fires & (row >= 0)
+    state = _advance_clock(state, req.deadline[r], fires)
+    state = waitqueue.remove(state, dims, r, waiting)
+    state = kv.release_row(state, dims, row, running)
+    in_batch = (jnp.arange(dims.batch_slots) < state.batch_len) & (state.batch_rows == row) & has_row
+    state = batch.remove_batch_slots(state, dims, in_batch)
+    at_row = jnp.where(has_row, row, dims.rows)
+    state = dataclasses.replace(
+        state,
+        status=state.status.at[jnp.where(fires, r, dims.num_requests)].set(TIMED_OUT, mode="drop"),
+        timed_out=state.timed_out + fires,
+        row_state=state.row_state.at[at_row].set(ROW_FREE, mode="drop"),
+        row_req=state.row_req.at[at_row].set(-1, mode="drop"),
+        row_of=state.row_of.at[jnp.where(has_row, r, dims.num_requests)].set(-1, mode="drop"),
+        itl_samples=itl_samples,
+    )
+    return _ensure_step(state, fires)
+
+
+def _step_features(state: EngineState, dims: EngineDims, req: RequestArrays):
+    slots = jnp.arange(dims.batch_slots)
+    valid = slots < state.batch_len
+    rows = jnp.maximum(state.batch_rows, 0)
+    r = jnp.maximum(state.row_req[rows], 0)
+    progress = state.row_progress[rows]
+    new = jnp.where(valid, state.row_new[rows], 0)
+    return latency.BatchFeatures(
+        scheduled=valid & (new > 0),
+        is_prefill=progress < req.input_len[r],
+        new_tokens=new,
+        progress=progress,
+        input_len=req.input_len[r],
+    )
+
+
+def _execute(state: EngineState, itl_samples, dims: EngineDims, req: RequestArrays, model, active):
+    """Run the formed batch: advance progress, stamp TTFT, record ITL samples."""
+    slots = jnp.arange(dims.batch_slots)
+    valid = active & (slots < state.batch_len)
+    rows = jnp.maximum(state.batch_rows, 0)
+    r = jnp.maximum(state.row_req[rows], 0)
+    feats = _step_features(state, dims, req)
+    step_us = latency.step_time_us(model, feats)
+    token_us = latency.output_token_time_us(model)
+    progress = state.row_progress[rows]
+    input_len = req.input_len[r]
+    in_prefill = valid & (progress < input_len)
+    decoded = valid & ~in_prefill & (feats.new_tokens > 0)
+    new_progress = jnp.where(in_prefill, state.row_kv_tokens[rows], jnp.where(decoded, progress + 1, progress))
+    first_token = valid & (new_progress == input_len) & ~state.row_ttft_set[rows]
+    sample = step_us + token_us
+    sample_at = jnp.where(decoded, req.itl_offset[r] + state.num_itl[r], dims.itl_samples)
+    drop_r = lambda mask: jnp.where(mask, r, dims.num_requests)  # noqa: E731
+    drop_row = lambda mask: jnp.where(mask, rows, dims.rows)  # noqa: E731
+    state = dataclasses.replace(
+        state,
+        row_progress=state.row_progress.at[drop_row(valid)].set(new_progress, mode="drop"),
+        row_ttft_set=state.row_ttft_set.at[drop_row(first_token)].set(True, mode="drop"),
+        ttft=state.ttft.at[drop_r(first_token)].set(state.now + sample - req.arrival[r], mode="drop"),
+        num_itl=state.num_itl.at[drop_r(decoded)].add(1, mode="drop"),
+        itl_sum=state.itl_sum.at[drop_r(decoded)].add(sample, mode="drop"),
+        steps=state.steps + active,
+    )
+    return state, step_us, itl_samples.at[sample_at].set(sample, mode="drop")
+
+
+def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, model, step_us,
+                     active):
+    """Completions (and max_model_len caps), in batch order: final token slot, free KV, E2E."""
+    slots = jnp.arange(dims.batch_slots)
+    valid = active & (slots < state.batch_len)
+    rows = jnp.maximum(state.batch_rows, 0)
+    r = jnp.maximum(state.row_req[rows], 0)
+    progress = state.row_progress[rows]
+    input_len, output_len = req.input_len[r], req.output_len[r]
+    done = valid & (progress >= input_len + jnp.maximum(output_len, 1) - 1)
+    mml = params.max_model_len
+    capped = valid & ~done & (mml > 0) & (progress >= mml - 1)
+    leaving = done | capped
+    order = jnp.where(leaving, slots, dims.batch_slots)
+    order = jnp.sort(order)
+    n_leaving = jnp.sum(leaving)
+    post_us = latency.post_decode_time_us(model)
+
+    def body(k, state):
+        slot = jnp.minimum(order[k], dims.batch_slots - 1)
+        row, rq = rows[slot], r[slot]
+        is_done = done[slot]
+        prog = progress[slot]
+        out = output_len[slot]
+        final_slot = is_done & (out > 0) & (prog < input_len[slot] + out)
+        need = kv.blocks_needed(dims, state.row_nblocks[row], state.row_kv_tokens[row], 1)
+        can = final_slot & (need <= state.free_count)
+        state = kv.allocate_rows(state, dims, req, row[None], jnp.ones(1, jnp.int64), can[None], params.total_kv_blocks)
+        state = kv.release_row(state, dims, row)
+        generated = prog - input_len[slot]
+        tokens = jnp.where(is_done, generated + (generated < out), mml - 1 - input_len[slot])
+        e2e = state.ttft[rq] + state.itl_sum[rq] + jnp.where(out > 0, post_us, 0)
+        return dataclasses.replace(
+            state,
+            status=state.status.at[rq].set(jnp.where(is_done, COMPLETED, LENGTH_CAPPED)),
+            e2e=state.e2e.at[rq].set(e2e),
+            output_tokens=state.output_tokens.at[rq].set(tokens),
+            length_capped=state.length_capped + ~is_done,
+            kv_alloc_failures=state.kv_alloc_failures + (final_slot & ~can),
+            row_state=state.row_state.at[row].set(ROW_FREE),
+            row_req=state.row_req.at[row].set(-1),
+            row_of=state.row_of.at[rq].set(-1),
+        )
+
+    state = jax.lax.fori_loop(0, n_leaving, body, state)
+    state = batch.remove_batch_slots(state, dims, leaving)
+    left_at = state.now + step_us
+    return dataclasses.replace(
+        state,
+        sim_end=jnp.where((n_leaving > 0) & (left_at <= params.horizon_us), jnp.maximum(state.sim_end, left_at), state.sim_end),
+    )
+
+
+def step(state, dims: EngineDims, params: EngineParams, req: RequestArrays, model, active) -> EngineState:
+    """StepEvent: form the batch, run it, finish requests, schedule the next step."""
+    now = state.next_step
+    state = _advance_clock(state, now, active)
+    state = dataclasses.replace(state, step_pending=state.step_pending & ~active)
+    run = active & ((state.batch_len > 0) | (state.wait_len > 0))
+    state = dataclasses.replace(state, row_new=jnp.where(run, 0, state.row_new))
+    state, itl_samples = _detach_itl(state)
+    state, budget, preempted = batch.schedule_running(state, dims, params, req, run)
+    state = batch.admit_waiting(state, dims, params, req, budget, preempted, run)
+    state, step_us, itl_samples = _execute(state, itl_samples, dims, req, model, run)
+    state = _finish_requests(state, dims, params, req, model, step_us, run)
+    state = dataclasses.replace(state, itl_samples=itl_samples)
+    more = run & ((state.batch_len > 0) | (state.wait_len > 0))
+    return dataclasses.replace(
+        state,
+        step_pending=state.step_pending | more,
+        next_step=jnp.where(more, now + step_us, jnp.where(active, INF_TIME, state.next_step)),
+    )

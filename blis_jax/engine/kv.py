@@ -1,0 +1,259 @@
+"""Paged KV cache of one instance: block pool, LRU free list and automatic prefix caching.
+
+Behaviour follows BLIS's single-tier cache (blis-features §2.9):
+
+* The free list starts as blocks 0..N-1 in order; allocation pops the head; a release
+  appends a request's blocks to the tail in reverse order. Here the never-used blocks are a
+  counter (`fresh_next`, always at the head) and released blocks sit in a FIFO ring. A free
+  block that is claimed as a prefix-cache hit leaves the list from the middle: its ring entry
+  becomes a tombstone (`ring_pos` no longer matches) that pops skip; the ring is compacted
+  when it runs out of room.
+* A free block keeps its content key until it is popped again, so freed prefixes stay
+  reusable (LRU over free blocks).
+* Content keys stand in for BLIS's SHA-256 hash chains. Token contents are synthetic: the
+  full blocks inside a prefix group's shared prefix are identical across the group
+  (key = group, block index); every other block is unique to its request (key = request,
+  block index). Only full blocks get a key.
+* Allocation is check-then-act: callers verify `blocks_needed <= free_count` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from blis_jax.engine import results
+from blis_jax.engine.dims import EngineDims
+from blis_jax.engine.state import NO_KEY, EngineState, RequestArrays
+
+
+def content_key(dims: EngineDims, req: RequestArrays, r, j):
+    """Content key of block j of request r (broadcasts over r and j)."""
+    r = jnp.asarray(r)
+    j = jnp.asarray(j, jnp.int64)
+    group = req.prefix_group[r].astype(jnp.int64)
+    shared = req.shared_blocks[r]
+    group_key = group * dims.prefix_blocks + j
+    own_key = dims.prefix_groups * dims.prefix_blocks + r.astype(jnp.int64) * dims.blocks_per_request + j
+    return jnp.where(j < shared, group_key, own_key)
+
+
+def blocks_needed(dims: EngineDims, nblocks, kv_tokens, new_tokens):
+    """New blocks for `new_tokens` more tokens after filling the last block's spare slots."""
+    bs = dims.block_size
+    spare = nblocks.astype(jnp.int64) * bs - kv_tokens
+    return (jnp.maximum(new_tokens - spare, 0) + bs - 1) // bs
+
+
+# ----------------------------------------------------------------------------- free list
+
+
+def _ring_entry_valid(state: EngineState, dims: EngineDims, pos):
+    entry = state.ring[pos % dims.free_ring]
+    safe = jnp.maximum(entry, 0)
+    valid = (pos < state.ring_tail) & (entry >= 0) & state.block_free[safe] & (state.ring_pos[safe] == pos)
+    return entry, valid
+
+
+def _compact_ring(state: EngineState, dims: EngineDims) -> EngineState:
+    """Drop tombstones: rewrite the live entries, in order, from position 0."""
+    pos = state.ring_head + jnp.arange(dims.free_ring, dtype=jnp.int64)
+    entry, valid = _ring_entry_valid(state, dims, pos)
+    new_pos = jnp.cumsum(valid) - 1
+    ring = jnp.full(dims.free_ring, -1, jnp.int32).at[jnp.where(valid, new_pos, dims.free_ring)].set(
+        entry, mode="drop"
+    )
+    ring_pos = state.ring_pos.at[jnp.where(valid, entry, dims.kv_blocks)].set(new_pos, mode="drop")
+    return dataclasses.replace(
+        state, ring=ring, ring_pos=ring_pos, ring_head=jnp.int64(0), ring_tail=jnp.sum(valid).astype(jnp.int64)
+    )
+
+
+def _ensure_ring_room(state: EngineState, dims: EngineDims, incoming) -> EngineState:
+    def needs(s):
+        return s.ring_tail - s.ring_head + incoming > dims.free_ring
+
+    # A while_loop (not cond) so that under vmap the O(ring) compaction runs only when needed.
+    state = jax.lax.while_loop(
+        lambda c: needs(c[0]) & ~c[1], lambda c: (_compact_ring(c[0], dims), jnp.asarray(True)),
+        (state, jnp.asarray(False)),
+    )[0]
+    return dataclasses.replace(
+        state, result=state.result | jnp.where(needs(state), results.FREE_RING_FULL, 0).astype(jnp.int32)
+    )
+
+
+def pop_blocks(state: EngineState, dims: EngineDims, count, total_kv_blocks):
+    """Pop `count` blocks from the free-list head. Returns (state, ids[alloc_blocks]); the
+    first `count` ids are valid. The popped blocks get refcount 1 and no content key."""
+    m = dims.alloc_blocks
+    slot = jnp.arange(m, dtype=jnp.int64)
+    count = jnp.minimum(count, m).astype(jnp.int64)
+    fresh_left = total_kv_blocks - state.fresh_next.astype(jnp.int64)
+    n_fresh = jnp.clip(jnp.minimum(count, fresh_left), 0)
+    ids = jnp.where(slot < n_fresh, state.fresh_next.astype(jnp.int64) + slot, -1).astype(jnp.int32)
+    need = count - n_fresh
+
+    def cond(c):
+        _, got, head = c
+        return (got < need) & (head < state.ring_tail)
+
+    def body(c):
+        ids, got, head = c
+        pos = head + slot
+        entry, valid = _ring_entry_valid(state, dims, pos)
+        rank = jnp.cumsum(valid)
+        take = valid & (rank <= need - got)
+        ids = ids.at[jnp.where(take, n_fresh + got + rank - 1, m)].set(entry, mode="drop")
+        taken = jnp.sum(take)
+        last = jnp.max(jnp.where(take, slot, -1))
+        head = jnp.where(got + taken >= need, head + last + 1, jnp.minimum(head + m, state.ring_tail))
+        return ids, got + taken, head
+
+    ids, _, head = jax.lax.while_loop(cond, body, (ids, jnp.int64(0), state.ring_head))
+    live = slot < count
+    target = jnp.where(live, ids, dims.kv_blocks)
+    state = dataclasses.replace(
+        state,
+        ring_head=head,
+        fresh_next=(state.fresh_next + n_fresh).astype(jnp.int32),
+        free_count=state.free_count - count,
+        block_free=state.block_free.at[target].set(False, mode="drop"),
+        block_ref=state.block_ref.at[target].set(1, mode="drop"),
+        block_key=state.block_key.at[target].set(NO_KEY, mode="drop"),
+        ring_pos=state.ring_pos.at[target].set(-1, mode="drop"),
+        kv_misses=state.kv_misses + count,
+    )
+    return state, ids
+
+
+def release_row(state: EngineState, dims: EngineDims, row, active=True) -> EngineState:
+    """Drop one reference to every block of `row`; blocks reaching zero go to the free-list
+    tail, last block first (so a request's early, shareable blocks are evicted last).
+    A no-op unless `active` (handlers are branch-free, see events.py)."""
+    j = jnp.arange(dims.blocks_per_request, dtype=jnp.int64)
+    row = jnp.maximum(row, 0)
+    nblocks = state.row_nblocks[row].astype(jnp.int64)
+    owned = active & (j < nblocks)
+    blocks = state.row_blocks[row]
+    target = jnp.where(owned, blocks, dims.kv_blocks)
+    block_ref = state.block_ref.at[target].add(-1, mode="drop")
+    freed = owned & (block_ref[jnp.maximum(blocks, 0)] == 0)
+    n_freed = jnp.sum(freed).astype(jnp.int64)
+    state = _ensure_ring_room(dataclasses.replace(state, block_ref=block_ref), dims, n_freed)
+    # rank in reverse block order among freed blocks
+    rank = jnp.cumsum(freed[::-1])[::-1] - 1
+    pos = state.ring_tail + rank
+    freed_target = jnp.where(freed, blocks, dims.kv_blocks)
+    return dataclasses.replace(
+        state,
+        ring=state.ring.at[jnp.where(freed, pos % dims.free_ring, dims.free_ring)].set(blocks, mode="drop"),
+        ring_pos=state.ring_pos.at[freed_target].set(pos, mode="drop"),
+        block_free=state.block_free.at[freed_target].set(True, mode="drop"),
+        ring_tail=state.ring_tail + n_freed,
+        free_count=state.free_count + n_freed,
+    )
+
+
+# ----------------------------------------------------------------------------- allocation
+
+
+def register_full_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r, blocks, block_index, full):
+    """Give content keys to blocks that just became full (vectors of equal length)."""
+    keys = content_key(dims, req, r, block_index)
+    target = jnp.where(full, blocks, dims.kv_blocks)
+    shared = full & (block_index < req.shared_blocks[r])
+    group = req.prefix_group[r]
+    group_block = state.group_block.at[
+        jnp.where(shared, group, dims.prefix_groups), jnp.where(shared, block_index, 0)
+    ].set(blocks, mode="drop")
+    return dataclasses.replace(state, block_key=state.block_key.at[target].set(keys, mode="drop"), group_block=group_block)
+
+
+def allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, rows, new_tokens, active, total_kv_blocks):
+    """Allocate KV slots for `new_tokens` more tokens on each active row (vectors over slots).
+
+    The caller has checked that the total of `blocks_needed` fits in `free_count`. Blocks are
+    handed out in slot order, as BLIS allocates request by request.
+    """
+    bs = dims.block_size
+    safe_rows = jnp.maximum(rows, 0)
+    nblocks = state.row_nblocks[safe_rows].astype(jnp.int64)
+    kv = state.row_kv_tokens[safe_rows]
+    need = jnp.where(active, blocks_needed(dims, nblocks, kv, new_tokens), 0)
+    total = jnp.sum(need)
+    state = dataclasses.replace(
+        state, result=state.result | jnp.where(total > dims.alloc_blocks, results.ALLOC_OVERFLOW, 0).astype(jnp.int32)
+    )
+    state, ids = pop_blocks(state, dims, total, total_kv_blocks)
+    new_kv = kv + jnp.where(active, new_tokens, 0)
+    r = state.row_req[safe_rows]
+
+    # Scatter popped ids into the owners' block tables.
+    ends = jnp.cumsum(need)
+    p = jnp.arange(dims.alloc_blocks, dtype=jnp.int64)
+    owner = jnp.clip(jnp.searchsorted(ends, p, side="right"), 0, len(need) - 1)
+    k = p - (ends[owner] - need[owner])
+    live = p < total
+    block_index = nblocks[owner] + k
+    row_blocks = state.row_blocks.at[
+        jnp.where(live, safe_rows[owner], dims.rows), jnp.where(live, block_index, 0)
+    ].set(ids, mode="drop")
+    state = dataclasses.replace(
+        state,
+        row_blocks=row_blocks,
+        row_nblocks=state.row_nblocks.at[jnp.where(active, safe_rows, dims.rows)].add(
+            need.astype(jnp.int32), mode="drop"
+        ),
+        row_kv_tokens=state.row_kv_tokens.at[jnp.where(active, safe_rows, dims.rows)].set(new_kv, mode="drop"),
+    )
+    # Keys for the new blocks that are full, and for each row's previously partial last block.
+    full_new = live & ((block_index + 1) * bs <= new_kv[owner])
+    state = register_full_blocks(state, dims, req, r[owner], ids, block_index, full_new)
+    last = jnp.maximum(nblocks - 1, 0)
+    was_partial = active & (nblocks > 0) & (nblocks * bs > kv)
+    now_full = was_partial & (nblocks * bs <= new_kv)
+    last_blocks = state.row_blocks[safe_rows, last]
+    return register_full_blocks(state, dims, req, r, last_blocks, last, now_full)
+
+
+def cached_prefix(state: EngineState, dims: EngineDims, req: RequestArrays, r):
+    """Longest run of the prompt's full blocks present in the cache, and those blocks.
+
+    Shared-prefix blocks are found through the group table; a preempted request's own blocks
+    through the block table it kept. A candidate counts only if its content key still matches
+    (a reused block has been re-keyed).
+    """
+    j = jnp.arange(dims.blocks_per_request, dtype=jnp.int64)
+    n_full = req.input_len[r] // dims.block_size
+    keys = content_key(dims, req, r, j)
+    group = jnp.maximum(req.prefix_group[r], 0)
+    from_group = state.group_block[group, jnp.minimum(j, dims.prefix_blocks - 1)]
+    old_row = state.row_of[r]
+    safe_row = jnp.maximum(old_row, 0)
+    from_row = jnp.where((old_row >= 0) & (j < state.row_nblocks[safe_row]), state.row_blocks[safe_row], -1)
+    cand = jnp.where(j < req.shared_blocks[r], from_group, from_row)
+    hit = (j < n_full) & (cand >= 0) & (state.block_key[jnp.maximum(cand, 0)] == keys)
+    n_hit = jnp.sum(jnp.cumprod(hit.astype(jnp.int32)))
+    return n_hit.astype(jnp.int64), cand
+
+
+def claim_cached(state: EngineState, dims: EngineDims, row, blocks, n_hit, active) -> EngineState:
+    """Take a reference on the first `n_hit` cached blocks and put them at the start of `row`."""
+    j = jnp.arange(dims.blocks_per_request, dtype=jnp.int64)
+    n_hit = jnp.where(active, n_hit, 0)
+    use = j < n_hit
+    row_target = jnp.where(active, row, dims.rows)
+    target = jnp.where(use, blocks, dims.kv_blocks)
+    was_free = use & state.block_free[jnp.maximum(blocks, 0)]
+    return dataclasses.replace(
+        state,
+        block_ref=state.block_ref.at[target].add(1, mode="drop"),
+        block_free=state.block_free.at[target].set(False, mode="drop"),
+        free_count=state.free_count - jnp.sum(was_free),
+        row_blocks=state.row_blocks.at[row_target].set(jnp.where(use, blocks, -1).astype(jnp.int32), mode="drop"),
+        row_nblocks=state.row_nblocks.at[row_target].set(n_hit.astype(jnp.int32), mode="drop"),
+        kv_hits=state.kv_hits + n_hit,
+    )

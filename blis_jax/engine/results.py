@@ -1,0 +1,30 @@
+"""Result codes of a simulation run (a bit set; 0 = success).
+
+A capacity overflow inside jit stops the loop and sets its bit; the host driver then retries
+with larger buffers or reports the code. Data is never silently dropped.
+"""
+
+OK = 0
+ROWS_FULL = 1 << 0  # more preempted requests waiting than preempted_slots
+FREE_RING_FULL = 1 << 1  # released-block FIFO could not be compacted enough
+WAIT_WINDOW_FULL = 1 << 2  # priority wait window full
+ALLOC_OVERFLOW = 1 << 3  # one allocation needed more than alloc_blocks blocks
+MAX_EVENTS = 1 << 4  # event budget of this call exhausted (the driver continues)
+ITL_BUFFER_FULL = 1 << 5  # ITL sample buffer overflow (cannot happen if sized from outputs)
+
+_NAMES = {
+    ROWS_FULL: "rows_full",
+    FREE_RING_FULL: "free_ring_full",
+    WAIT_WINDOW_FULL: "wait_window_full",
+    ALLOC_OVERFLOW: "alloc_overflow",
+    MAX_EVENTS: "max_events",
+    ITL_BUFFER_FULL: "itl_buffer_full",
+}
+
+GROWABLE = ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL
+
+
+def describe(code: int) -> str:
+    if code == OK:
+        return "ok"
+    return "|".join(name for bit, name in _NAMES.items() if code & bit)

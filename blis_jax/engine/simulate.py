@@ -1,0 +1,209 @@
+"""Run one instance: a jitted `lax.while_loop` over events, driven in chunks from the host.
+
+`simulate_instance` is the host entry point: it sizes the buffers (`choose_dims`), converts the
+request set to arrays, runs the loop in chunks of events (a progress callback between chunks),
+retries with larger buffers on an overflow result code, and returns a numpy `SimOutput`.
+The jitted pieces (`start`, `advance`) are pure functions of arrays, so they `vmap` over
+scenarios of one shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blis_jax import latency
+from blis_jax.engine import events, results
+from blis_jax.engine.dims import EngineDims, choose_dims
+from blis_jax.engine.output import SimOutput
+from blis_jax.engine.params import INF_TIME, EngineParams
+from blis_jax.engine.state import EngineState, RequestArrays, init_state
+from blis_jax.errors import ConfigError
+from blis_jax.workload.requests import RequestSet
+
+
+def wait_ranks(requests: RequestSet, scheduler: str) -> np.ndarray:
+    """Static wait-queue order for schedulers that re-sort the queue every step.
+
+    BLIS sorts stably by (priority, arrival, id) for priority-fcfs and by (input length,
+    arrival, id) for sjf, where ids are the strings `request_<n>` (compared as strings).
+    """
+    n = len(requests)
+    if scheduler == "fcfs" or n == 0:
+        return np.zeros(n, np.int64)
+    ids = np.array([f"request_{i}" for i in requests.request_id])
+    first = requests.priority if scheduler == "priority-fcfs" else requests.input_len
+    order = np.lexsort((ids, requests.arrival_us, first))
+    rank = np.empty(n, np.int64)
+    rank[order] = np.arange(n)
+    return rank
+
+
+def request_arrays(requests: RequestSet, dims: EngineDims) -> RequestArrays:
+    """Pad the request set to `dims.num_requests` and move it to device arrays."""
+    n, cap = len(requests), dims.num_requests
+
+    def pad(values, fill, dtype):
+        out = np.full(cap, fill, dtype)
+        out[:n] = values
+        return jnp.asarray(out)
+
+    grouped = requests.prefix_group >= 0
+    shared = np.where(grouped, requests.prefix_len // dims.block_size, 0)
+    offsets = np.concatenate([[0], np.cumsum(np.maximum(requests.output_len, 1))[:-1]]) if n else np.zeros(0)
+    return RequestArrays(
+        arrival=pad(requests.arrival_us, 0, np.int64),
+        input_len=pad(requests.input_len, 1, np.int64),
+        output_len=pad(requests.output_len, 0, np.int64),
+        deadline=pad(requests.deadline_us, 0, np.int64),
+        prefix_group=pad(requests.prefix_group, -1, np.int32),
+        shared_blocks=pad(shared, 0, np.int64),
+        priority=pad(requests.priority, 0, np.int64),
+        wait_rank=pad(wait_ranks(requests, dims.scheduler), INF_TIME, np.int64),
+        itl_offset=pad(offsets, 0, np.int64),
+        valid=pad(np.ones(n, bool), False, bool),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def start(dims: EngineDims, params: EngineParams, req: RequestArrays, model) -> EngineState:
+    enqueue_time = jnp.where(req.valid, req.arrival + latency.queueing_time_us(model, req.input_len), INF_TIME)
+    return init_state(dims, req, enqueue_time, params.horizon_us, params.total_kv_blocks)
+
+
+def _body(state: EngineState, dims, params, req, model) -> EngineState:
+    kind, _ = events.next_event(state, req)
+    state = events.enqueue(state, dims, params, req, model, kind == events.ENQUEUE)
+    state = events.step(state, dims, params, req, model, kind == events.STEP)
+    state = events.timeout(state, dims, params, req, model, kind == events.TIMEOUT)
+    return dataclasses.replace(state, events=state.events + 1)
+
+
+def finished(state: EngineState, params: EngineParams, req: RequestArrays):
+    _, time = events.next_event(state, req)
+    return (time > params.horizon_us) | (time >= INF_TIME) | ((state.result & results.GROWABLE) != 0)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def advance(dims: EngineDims, state: EngineState, params: EngineParams, req: RequestArrays, model, event_limit):
+    """Process events until the run is over or `event_limit` events have been processed."""
+
+    def cond(s):
+        return ~finished(s, params, req) & (s.events < event_limit)
+
+    return jax.lax.while_loop(cond, lambda s: _body(s, dims, params, req, model), state)
+
+
+def run_to_end(dims: EngineDims, params: EngineParams, req: RequestArrays, model) -> EngineState:
+    """Whole run in one traced function (for vmap over scenarios and for jit-vs-nojit tests)."""
+    state = start.__wrapped__(dims, params, req, model)
+
+    def cond(s):
+        return ~finished(s, params, req)
+
+    return jax.lax.while_loop(cond, lambda s: _body(s, dims, params, req, model), state)
+
+
+def simulate_instance(
+    requests: RequestSet,
+    params: EngineParams,
+    model,
+    *,
+    block_size: int = 16,
+    scheduler: str = "fcfs",
+    preemption_policy: str = "fcfs",
+    events_per_chunk: int = 200_000,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> SimOutput:
+    """Simulate one instance serving `requests`; host-side driver around the jitted loop.
+
+    `progress(done_requests, total_requests, sim_time_us)` is called between chunks.
+    """
+    for value, allowed, flag in ((scheduler, ("fcfs", "priority-fcfs", "sjf"), "--scheduler"),
+                                 (preemption_policy, ("fcfs", "priority"), "--preemption-policy")):
+        if value not in allowed:
+            raise ConfigError(f"{flag} {value!r} is not supported; choose one of {', '.join(allowed)}")
+    growth = 1
+    while True:
+        dims = choose_dims(
+            input_len=requests.input_len,
+            output_len=requests.output_len,
+            prefix_group=requests.prefix_group,
+            prefix_len=requests.prefix_len,
+            max_num_seqs=int(params.max_num_seqs),
+            max_num_batched_tokens=int(params.max_num_batched_tokens),
+            total_kv_blocks=int(params.total_kv_blocks),
+            block_size=block_size,
+            scheduler=scheduler,
+            preemption_policy=preemption_policy,
+            growth=growth,
+        )
+        req = request_arrays(requests, dims)
+        state = start(dims, params, req, model)
+        limit = 0
+        while True:
+            limit += events_per_chunk
+            state = advance(dims, state, params, req, model, jnp.int64(limit))
+            if progress is not None:
+                done = int(jnp.sum(state.status >= 3))
+                progress(done, len(requests), int(state.now))
+            if bool(finished(state, params, req)):
+                break
+        code = int(state.result)
+        if code & results.GROWABLE and growth < 64:
+            growth *= 4
+            continue
+        return to_output(state, dims, params, requests, code)
+
+
+def to_output(state: EngineState, dims: EngineDims, params: EngineParams, requests: RequestSet, code: int) -> SimOutput:
+    """Device state → numpy SimOutput (per-request arrays trimmed to the request count)."""
+    from blis_jax.engine import output as out
+    from blis_jax.engine import state as st
+
+    n = len(requests)
+    s = jax.device_get(state)
+    status = np.asarray(s.status[:n])
+    output_status = np.select(
+        [status == st.COMPLETED, status == st.LENGTH_CAPPED, status == st.TIMED_OUT, status == st.DROPPED,
+         status == st.QUEUED, status == st.RUNNING],
+        [out.COMPLETED, out.LENGTH_CAPPED, out.TIMED_OUT, out.DROPPED, out.QUEUED, out.RUNNING],
+        out.NOT_ARRIVED,
+    )
+    finished_ok = (status == st.COMPLETED) | (status == st.LENGTH_CAPPED)
+    offsets = np.concatenate([[0], np.cumsum(np.maximum(requests.output_len, 1))[:-1]]) if n else np.zeros(0, int)
+    num_itl = np.asarray(s.num_itl[:n])
+    samples = np.asarray(s.itl_samples)
+    pooled = [samples[o : o + k] for o, k, ok in zip(offsets, num_itl, finished_ok) if ok and k > 0]
+    itl = np.concatenate(pooled) if pooled else np.zeros(0, np.int64)
+    horizon = int(params.horizon_us)
+    arrived = requests.arrival_us[requests.arrival_us <= horizon]
+    sim_end = max(int(s.sim_end), int(arrived.max()) if len(arrived) else 0)
+    return SimOutput(
+        status=output_status.astype(np.int8),
+        ttft_us=np.asarray(s.ttft[:n]),
+        e2e_us=np.where(finished_ok, np.asarray(s.e2e[:n]), -1),
+        itl_sum_us=np.asarray(s.itl_sum[:n]),
+        num_itl=num_itl,
+        sched_delay_us=np.asarray(s.sched_delay[:n]),
+        output_tokens=np.asarray(s.output_tokens[:n]),
+        handled_by=np.zeros(n, np.int32),
+        itl_samples=itl,
+        preemption_count=int(s.preemptions),
+        kv_hits=int(s.kv_hits),
+        kv_misses=int(s.kv_misses),
+        dropped_unservable=int(s.dropped),
+        timed_out=int(s.timed_out),
+        length_capped=int(s.length_capped),
+        total_input_tokens=int(s.total_input_tokens),
+        sim_end_us=sim_end,
+        still_queued=int(np.sum(status == st.QUEUED)),
+        still_running=int(np.sum(status == st.RUNNING)),
+        kv_allocation_failures=int(s.kv_alloc_failures),
+        result=code,
+    )

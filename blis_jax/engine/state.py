@@ -1,0 +1,200 @@
+"""Engine state of one vLLM-like instance: an immutable pytree of padded arrays.
+
+Three groups of buffers, each with a fixed capacity from `EngineDims`:
+
+* per request (N): lifecycle status and the metrics recorded for it. The loop touches O(1)
+  entries of these per event (dynamic index), so per-event work does not grow with N.
+* per block-table row (rows = batch slots + preempted slots): the running batch's requests
+  (progress, allocated tokens, block table). A preempted request keeps its row until it is
+  re-admitted, so it can re-hit its own surviving prefix blocks.
+* per KV block (K): reference count, content key (hash stand-in), and the LRU free list
+  (never-used blocks first, then a FIFO ring of released blocks).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int32, Int64
+
+from blis_jax.engine.dims import EngineDims
+from blis_jax.engine.params import INF_TIME
+
+# Request status codes (int32).
+PENDING = 0  # not yet enqueued at the instance
+QUEUED = 1  # in the wait queue (never admitted, or preempted and waiting again)
+RUNNING = 2
+COMPLETED = 3
+TIMED_OUT = 4
+DROPPED = 5  # dropped as unservable at enqueue
+LENGTH_CAPPED = 6  # force-completed at max_model_len (also a completion)
+
+# Block-table row states.
+ROW_FREE = 0
+ROW_RUNNING = 1
+ROW_PREEMPTED = 2
+
+NO_KEY = -1
+
+
+class RequestArrays(eqx.Module):
+    """Engine input: the request set as device arrays, padded to dims.num_requests."""
+
+    arrival: Int64[Array, " N"]
+    input_len: Int64[Array, " N"]
+    output_len: Int64[Array, " N"]
+    deadline: Int64[Array, " N"]  # absolute µs, 0 = none
+    prefix_group: Int32[Array, " N"]  # -1 = none
+    shared_blocks: Int64[Array, " N"]  # full blocks shared with the prefix group
+    priority: Int64[Array, " N"]  # vLLM convention: lower = more urgent
+    wait_rank: Int64[Array, " N"]  # static wait-queue order for priority-fcfs / sjf
+    itl_offset: Int64[Array, " N"]  # start of this request's ITL samples in the buffer
+    valid: Bool[Array, " N"]
+
+
+class EngineState(eqx.Module):
+    # clock and event bookkeeping
+    now: Int64[Array, ""]
+    step_pending: Bool[Array, ""]
+    next_step: Int64[Array, ""]
+    sim_end: Int64[Array, ""]
+    enq_pos: Int32[Array, ""]  # enqueue events processed (index into enqueue order)
+    dl_pos: Int32[Array, ""]  # timeout events processed (index into deadline order)
+    enqueue_order: Int32[Array, " N"]
+    enqueue_time: Int64[Array, " N"]  # per request: arrival + queueing delay
+    deadline_order: Int32[Array, " N"]
+    num_deadlines: Int32[Array, ""]
+
+    # per request
+    status: Int32[Array, " N"]
+    ttft: Int64[Array, " N"]
+    e2e: Int64[Array, " N"]
+    itl_sum: Int64[Array, " N"]
+    num_itl: Int64[Array, " N"]
+    sched_delay: Int64[Array, " N"]
+    output_tokens: Int64[Array, " N"]
+    row_of: Int32[Array, " N"]
+    itl_samples: Int64[Array, " T"]
+
+    # block-table rows
+    row_req: Int32[Array, " R"]
+    row_state: Int32[Array, " R"]
+    row_progress: Int64[Array, " R"]  # ProgressIndex
+    row_kv_tokens: Int64[Array, " R"]  # tokens with an allocated KV slot
+    row_new: Int64[Array, " R"]  # NumNewTokens this step
+    row_ttft_set: Bool[Array, " R"]
+    row_nblocks: Int32[Array, " R"]
+    row_blocks: Int32[Array, "R B"]
+
+    # running batch (ordered row ids) and wait queue
+    batch_rows: Int32[Array, " S"]
+    batch_len: Int32[Array, ""]
+    fifo_head: Int32[Array, ""]  # fcfs: first enqueue-order position that may still wait
+    front: Int32[Array, " P"]  # fcfs: preempted requests, stack top = queue head
+    front_len: Int32[Array, ""]
+    window_req: Int32[Array, " Q"]  # priority-fcfs / sjf: waiting requests
+    window_key: Int64[Array, " Q"]
+    wait_len: Int32[Array, ""]
+
+    # KV blocks
+    block_key: Int64[Array, " K"]
+    block_ref: Int32[Array, " K"]
+    block_free: Bool[Array, " K"]
+    ring: Int32[Array, " F"]
+    ring_pos: Int64[Array, " K"]
+    ring_head: Int64[Array, ""]
+    ring_tail: Int64[Array, ""]
+    fresh_next: Int32[Array, ""]
+    free_count: Int64[Array, ""]
+    group_block: Int32[Array, "G PB"]
+
+    # counters
+    preemptions: Int64[Array, ""]
+    kv_hits: Int64[Array, ""]
+    kv_misses: Int64[Array, ""]
+    kv_alloc_failures: Int64[Array, ""]
+    dropped: Int64[Array, ""]
+    timed_out: Int64[Array, ""]
+    length_capped: Int64[Array, ""]
+    total_input_tokens: Int64[Array, ""]
+    steps: Int64[Array, ""]
+    events: Int64[Array, ""]
+    result: Int32[Array, ""]
+
+
+def init_state(
+    dims: EngineDims, req: RequestArrays, enqueue_time: Int64[Array, " N"], horizon: Int64[Array, ""],
+    total_kv_blocks: Int64[Array, ""],
+) -> EngineState:
+    """Empty instance at time 0 with the event orders of this request set."""
+    n, r, s = dims.num_requests, dims.rows, dims.batch_slots
+    idx = jnp.arange(n, dtype=jnp.int32)
+    # Queued events fire in (time, push order) order; pushes happen in arrival order.
+    enq_t = jnp.where(req.valid, enqueue_time, INF_TIME)
+    enqueue_order = jnp.lexsort((idx, enq_t)).astype(jnp.int32)
+    # Timeout events exist for 0 < deadline <= horizon, pushed at enqueue.
+    enq_rank = jnp.zeros(n, jnp.int32).at[enqueue_order].set(idx)
+    has_dl = req.valid & (req.deadline > 0) & (req.deadline <= horizon)
+    dl_t = jnp.where(has_dl, req.deadline, INF_TIME)
+    deadline_order = jnp.lexsort((enq_rank, dl_t)).astype(jnp.int32)
+    i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
+    i64 = lambda v: jnp.asarray(v, jnp.int64)  # noqa: E731
+    k = dims.kv_blocks
+    return EngineState(
+        now=i64(0),
+        step_pending=jnp.asarray(False),
+        next_step=i64(INF_TIME),
+        sim_end=i64(0),
+        enq_pos=i32(0),
+        dl_pos=i32(0),
+        enqueue_order=enqueue_order,
+        enqueue_time=enq_t,
+        deadline_order=deadline_order,
+        num_deadlines=jnp.sum(has_dl).astype(jnp.int32),
+        status=jnp.zeros(n, jnp.int32),
+        ttft=jnp.full(n, -1, jnp.int64),
+        e2e=jnp.full(n, -1, jnp.int64),
+        itl_sum=jnp.zeros(n, jnp.int64),
+        num_itl=jnp.zeros(n, jnp.int64),
+        sched_delay=jnp.full(n, -1, jnp.int64),
+        output_tokens=jnp.zeros(n, jnp.int64),
+        row_of=jnp.full(n, -1, jnp.int32),
+        itl_samples=jnp.zeros(dims.itl_samples, jnp.int64),
+        row_req=jnp.full(r, -1, jnp.int32),
+        row_state=jnp.zeros(r, jnp.int32),
+        row_progress=jnp.zeros(r, jnp.int64),
+        row_kv_tokens=jnp.zeros(r, jnp.int64),
+        row_new=jnp.zeros(r, jnp.int64),
+        row_ttft_set=jnp.zeros(r, bool),
+        row_nblocks=jnp.zeros(r, jnp.int32),
+        row_blocks=jnp.full((r, dims.blocks_per_request), -1, jnp.int32),
+        batch_rows=jnp.full(s, -1, jnp.int32),
+        batch_len=i32(0),
+        fifo_head=i32(0),
+        front=jnp.full(dims.preempted_slots, -1, jnp.int32),
+        front_len=i32(0),
+        window_req=jnp.full(dims.wait_slots, -1, jnp.int32),
+        window_key=jnp.full(dims.wait_slots, INF_TIME, jnp.int64),
+        wait_len=i32(0),
+        block_key=jnp.full(k, NO_KEY, jnp.int64),
+        block_ref=jnp.zeros(k, jnp.int32),
+        block_free=jnp.arange(k) < total_kv_blocks,
+        ring=jnp.full(dims.free_ring, -1, jnp.int32),
+        ring_pos=jnp.full(k, -1, jnp.int64),
+        ring_head=i64(0),
+        ring_tail=i64(0),
+        fresh_next=i32(0),
+        free_count=total_kv_blocks.astype(jnp.int64),
+        group_block=jnp.full((dims.prefix_groups, dims.prefix_blocks), -1, jnp.int32),
+        preemptions=i64(0),
+        kv_hits=i64(0),
+        kv_misses=i64(0),
+        kv_alloc_failures=i64(0),
+        dropped=i64(0),
+        timed_out=i64(0),
+        length_capped=i64(0),
+        total_input_tokens=i64(0),
+        steps=i64(0),
+        events=i64(0),
+        result=i32(0),
+    )

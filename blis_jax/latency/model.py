@@ -1,0 +1,240 @@
+"""`LatencyModel`: numbers as float64 arrays, structure as static fields.
+
+Changing any number (coefficients, architecture or hardware figures, TP) never retraces;
+the model vmaps over coefficient sets and differentiates w.r.t. them. The ``*_float``
+functions are the differentiable values; the ``*_us`` functions truncate to int64 µs
+exactly as BLIS does (Go ``int64(x)``; NaN and overflow clamp to MaxInt64).
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from blis_jax.config.coefficients import NUM_ALPHA, check_alpha, check_beta, load_coefficients
+from blis_jax.config.hardware import GPUSpec
+from blis_jax.config.model import ModelArch
+from blis_jax.errors import ConfigError
+from blis_jax.latency import roofline, trained_physics
+from blis_jax.latency.features import BatchFeatures
+
+KINDS = ("trained-physics", "roofline")
+NUM_BETA_SLOTS = 11
+# MoE dispatch/combine backends → volume family (spec latency-models §2.2).
+_ALLGATHER = ("naive", "allgather_reducescatter")
+_ALL2ALL = ("pplx", "mori", "flashinfer_all2allv")  # and every deepep_*
+_INT64_MAX = 2**63 - 1
+_INT64_MIN = -(2**63)
+
+
+class LatencyModel(eqx.Module):
+    """Step-time model of one instance (model × GPU × TP/DP) with its coefficients."""
+
+    # Structure (static): changing these retraces.
+    kind: str = eqx.field(static=True)  # "trained-physics" | "roofline"
+    num_betas: int = eqx.field(static=True)  # betas given (7..11) → mode; 0 for roofline
+    moe_comm: str = eqx.field(static=True)  # "allgather" | "all2all"
+    # Architecture (float64 scalars; FFN dims already resolved for this kind).
+    num_layers: Float[Array, ""]
+    hidden_size: Float[Array, ""]
+    num_heads: Float[Array, ""]
+    num_kv_heads: Float[Array, ""]
+    moe_ffn_dim: Float[Array, ""]
+    dense_ffn_dim: Float[Array, ""]
+    shared_ffn_dim: Float[Array, ""]
+    num_experts: Float[Array, ""]  # 0 for dense models
+    experts_per_tok: Float[Array, ""]
+    interleave_step: Float[Array, ""]
+    bytes_per_param: Float[Array, ""]  # b: activations and KV
+    weight_bytes_per_param: Float[Array, ""]  # w: weights
+    # Hardware.
+    tflops_peak: Float[Array, ""]
+    tflops_fp8: Float[Array, ""]
+    bandwidth_tbs: Float[Array, ""]
+    mfu_prefill: Float[Array, ""]
+    mfu_decode: Float[Array, ""]
+    # Deployment.
+    tp: Float[Array, ""]
+    dp: Float[Array, ""]
+    # Coefficients.
+    alpha: Float[Array, "3"]
+    beta: Float[Array, "11"]  # zero-padded; the unused tail is ignored by `num_betas`
+
+
+def _f64(x) -> Float[Array, ""]:
+    return jnp.asarray(x, dtype=jnp.float64)
+
+
+def _moe_family(backend: str) -> str:
+    if backend in _ALLGATHER:
+        return "allgather"
+    if backend in _ALL2ALL or backend.startswith("deepep_"):
+        return "all2all"
+    raise ConfigError(
+        f"moe_backend {backend!r} is unknown; use one of {', '.join(_ALLGATHER + _ALL2ALL)} "
+        "or deepep_*"
+    )
+
+
+def build_latency_model(
+    kind: str,
+    arch: ModelArch,
+    gpu: GPUSpec,
+    tp: int = 1,
+    alpha=None,
+    beta=None,
+    dp: int = 1,
+    moe_backend: str = "allgather_reducescatter",
+) -> LatencyModel:
+    """Turn validated config objects into a `LatencyModel`.
+
+    Trained-physics defaults to ``fits/trained-physics-iter29.yaml`` for a missing alpha
+    or beta; roofline defaults alpha to zeros and takes no beta.
+    """
+    if kind not in KINDS:
+        raise ConfigError(f"latency model kind {kind!r} is unknown; use one of {KINDS}")
+    for label, value in (("tp", tp), ("dp", dp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{label} = {value!r} must be an integer >= 1")
+    moe_comm = _moe_family(moe_backend)
+
+    if kind == "trained-physics":
+        if alpha is None or beta is None:
+            default = load_coefficients()
+            alpha = default.alpha if alpha is None else alpha
+            beta = default.beta if beta is None else beta
+        alpha, beta = check_alpha(alpha), check_beta(beta)
+        for label, heads in (("num_heads", arch.num_heads), ("num_kv_heads", arch.num_kv_heads)):
+            if heads % tp:
+                raise ConfigError(
+                    f"model {arch.hf_id!r}: {label} {heads} is not divisible by tp {tp}; "
+                    "trained-physics needs whole heads per GPU (choose a tp that divides it)"
+                )
+        if arch.intermediate_size <= 0:
+            raise ConfigError(
+                f"model {arch.hf_id!r}: intermediate_size is 0 or missing; trained-physics "
+                "needs the FFN dimension (add intermediate_size to the config)"
+            )
+        ffn = arch.intermediate_size
+        num_betas = len(beta)
+    else:
+        if beta is not None:
+            raise ConfigError(
+                "roofline takes no beta coefficients (they are trained-physics only); "
+                "pass beta=None"
+            )
+        alpha = check_alpha(alpha if alpha is not None else (0.0,) * NUM_ALPHA)
+        beta = ()
+        num_betas = 0
+        ffn = arch.intermediate_size or 4 * arch.hidden_size  # roofline's 4d fallback
+
+    moe_ffn = arch.moe_intermediate_size or ffn
+    return LatencyModel(
+        kind=kind,
+        num_betas=num_betas,
+        moe_comm=moe_comm,
+        num_layers=_f64(arch.num_layers),
+        hidden_size=_f64(arch.hidden_size),
+        num_heads=_f64(arch.num_heads),
+        num_kv_heads=_f64(arch.num_kv_heads),
+        moe_ffn_dim=_f64(moe_ffn),
+        dense_ffn_dim=_f64(arch.intermediate_size_mlp or ffn),
+        shared_ffn_dim=_f64(arch.shared_ffn_dim),  # trained-physics only
+        num_experts=_f64(arch.num_experts if arch.is_moe else 0),
+        experts_per_tok=_f64(arch.num_experts_per_tok),
+        interleave_step=_f64(arch.interleave_moe_layer_step),
+        bytes_per_param=_f64(arch.bytes_per_param),
+        weight_bytes_per_param=_f64(arch.weight_bytes_per_param),
+        tflops_peak=_f64(gpu.tflops_peak),
+        tflops_fp8=_f64(gpu.tflops_fp8),
+        bandwidth_tbs=_f64(gpu.hbm_bandwidth_tbs),
+        mfu_prefill=_f64(gpu.mfu_prefill),
+        mfu_decode=_f64(gpu.mfu_decode),
+        tp=_f64(tp),
+        dp=_f64(dp),
+        alpha=_f64(alpha),
+        beta=_f64(np.pad(np.asarray(beta, dtype=np.float64), (0, NUM_BETA_SLOTS - len(beta)))),
+    )
+
+
+def with_coefficients(model: LatencyModel, alpha=None, beta=None) -> LatencyModel:
+    """A copy with new coefficient arrays (traceable: use it inside jit/vmap/grad).
+
+    ``beta`` may have ``model.num_betas`` or 11 entries; shorter ones are zero-padded.
+    The mode (``num_betas``) is structure and does not change.
+    """
+    if alpha is not None:
+        alpha = jnp.asarray(alpha, dtype=jnp.float64)
+        if alpha.shape != (NUM_ALPHA,):
+            raise ConfigError(f"alpha must have shape (3,), got {alpha.shape}")
+        model = eqx.tree_at(lambda m: m.alpha, model, alpha)
+    if beta is not None:
+        beta = jnp.asarray(beta, dtype=jnp.float64)
+        if beta.ndim != 1 or beta.shape[0] > NUM_BETA_SLOTS:
+            raise ConfigError(f"beta must be a vector of at most 11 values, got {beta.shape}")
+        beta = jnp.pad(beta, (0, NUM_BETA_SLOTS - beta.shape[0]))
+        model = eqx.tree_at(lambda m: m.beta, model, beta)
+    return model
+
+
+# ---------------------------------------------------------------------------------------
+# Float (differentiable) values
+
+
+def step_time_float(model: LatencyModel, feats: BatchFeatures) -> Float[Array, ""]:
+    """Step time in µs before truncation (0.0 for an empty batch)."""
+    if model.kind == "trained-physics":
+        return trained_physics.step_time(model, feats)
+    return roofline.step_time(model, feats)
+
+
+def queueing_time_float(model: LatencyModel, input_len: ArrayLike) -> Float[Array, "..."]:
+    """Arrival → enqueue delay: α0 (trained-physics) or α0 + α1·input_len (roofline)."""
+    input_len = jnp.asarray(input_len).astype(jnp.float64)
+    if model.kind == "trained-physics":
+        return jnp.broadcast_to(model.alpha[0], input_len.shape)
+    return model.alpha[0] + model.alpha[1] * input_len
+
+
+def output_token_time_float(model: LatencyModel) -> Float[Array, ""]:
+    """α2: added to TTFT and to every ITL sample."""
+    return model.alpha[2]
+
+
+def post_decode_time_float(model: LatencyModel) -> Float[Array, ""]:
+    """Added once to E2E: α1 (trained-physics) or 0 (roofline)."""
+    return model.alpha[1] if model.kind == "trained-physics" else jnp.zeros((), jnp.float64)
+
+
+# ---------------------------------------------------------------------------------------
+# Integer µs (parity with BLIS)
+
+
+def truncate_us(x: Float[Array, "..."]) -> Int[Array, "..."]:
+    """Go ``int64(x)``: truncate toward zero; NaN and overflow clamp to MaxInt64."""
+    high = jnp.isnan(x) | (x >= 2.0**63)
+    low = x < -(2.0**63)
+    safe = jnp.where(high | low, 0.0, x)
+    out = jnp.trunc(safe).astype(jnp.int64)
+    out = jnp.where(high, jnp.int64(_INT64_MAX), out)
+    return jnp.where(low, jnp.int64(_INT64_MIN), out)
+
+
+def step_time_us(model: LatencyModel, feats: BatchFeatures) -> Int[Array, ""]:
+    """Step time as BLIS reports it: max(1, trunc(µs)); an empty batch gives 1."""
+    return jnp.maximum(jnp.int64(1), truncate_us(step_time_float(model, feats)))
+
+
+def queueing_time_us(model: LatencyModel, input_len: ArrayLike) -> Int[Array, "..."]:
+    """trunc(α0) for trained-physics, trunc(α0 + α1·input_len) for roofline."""
+    return truncate_us(queueing_time_float(model, input_len))
+
+
+def output_token_time_us(model: LatencyModel) -> Int[Array, ""]:
+    """trunc(α2)."""
+    return truncate_us(output_token_time_float(model))
+
+
+def post_decode_time_us(model: LatencyModel) -> Int[Array, ""]:
+    """trunc(α1) for trained-physics, 0 for roofline."""
+    return truncate_us(post_decode_time_float(model))

@@ -1,0 +1,203 @@
+"""Rendering of metrics exactly as BLIS prints them: Go `encoding/json` (MarshalIndent, two
+spaces) for the JSON blocks and files, and the plain-text stdout sections (spec §1.9).
+
+Go formats a float64 with the shortest digits that round-trip, in positional notation
+unless |x| < 1e-6 or ≥ 1e21, so 0.0 prints as `0` and 15.0 as `15`; Python's `json` would
+print `0.0` and `15.0`. Hence a small encoder of our own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
+from pathlib import Path
+
+from blis_jax.engine.output import SimOutput
+from blis_jax.errors import ConfigError
+from blis_jax.metrics import (
+    GOODPUT_KEYS,
+    AnomalyCounters,
+    ClassLatency,
+    KVCacheMetrics,
+    TenantUsage,
+    anomaly_counters,
+    kv_cache_metrics,
+    metrics_output,
+    per_slo_latencies,
+    per_tenant_usage,
+    request_records,
+    results_entries,
+)
+from blis_jax.workload.requests import RequestSet
+
+METRICS_HEADER = "=== Simulation Metrics ==="
+ANOMALY_HEADER = "=== Anomaly Counters ==="
+KV_CACHE_HEADER = "=== KV Cache Metrics ==="
+PER_SLO_HEADER = "=== Per-SLO Metrics ==="
+PER_TENANT_HEADER = "=== Per-Tenant Metrics ==="
+
+
+# ------------------------------------------------------------------------ Go-style JSON
+
+
+def go_float(x: float) -> str:
+    """Go encoding/json rendering of a float64."""
+    x = float(x)
+    if not math.isfinite(x):
+        raise ConfigError(f"cannot write {x} as JSON (Go's encoder rejects NaN and ±Inf)")
+    if x == 0:
+        return "-0" if math.copysign(1.0, x) < 0 else "0"
+    d = Decimal(repr(x)).normalize()   # repr = shortest round-trip digits, as Go's -1 precision
+    if 1e-6 <= abs(x) < 1e21:
+        return format(d, "f")
+    sign, digits, exponent = d.as_tuple()
+    mantissa = str(digits[0]) + ("." + "".join(map(str, digits[1:])) if len(digits) > 1 else "")
+    exp10 = exponent + len(digits) - 1
+    # Go writes at least two exponent digits, then shortens e-0X to e-X.
+    exp = f"{'-' if exp10 < 0 else '+'}{abs(exp10):02d}"
+    if exp10 < 0 and abs(exp10) < 10:
+        exp = f"-{abs(exp10)}"
+    return ("-" if sign else "") + mantissa + "e" + exp
+
+
+def go_string(s: str) -> str:
+    # Go escapes <, >, & (HTML safety) and U+2028/2029, and leaves other non-ASCII alone.
+    out = json.dumps(s, ensure_ascii=False)
+    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
+                    ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        out = out.replace(ch, esc)
+    return out
+
+
+def go_json(value, indent: str = "  ", _level: int = 0) -> str:
+    """json.MarshalIndent(value, "", indent) for dicts (insertion order), lists, str, int,
+    float, bool and None. No trailing newline, like MarshalIndent."""
+    pad, inner = indent * _level, indent * (_level + 1)
+    if isinstance(value, Mapping):
+        if not value:
+            return "{}"
+        items = [f"{inner}{go_string(str(k))}: {go_json(v, indent, _level + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return "[]"
+        return "[\n" + ",\n".join(inner + go_json(v, indent, _level + 1) for v in value) + "\n" + pad + "]"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return go_string(value)
+    if hasattr(value, "dtype"):  # numpy scalar
+        value = value.item()
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return go_float(value)
+    raise ConfigError(f"cannot write {type(value).__name__} as JSON")
+
+
+# ---------------------------------------------------------------------- stdout sections
+
+
+def format_metrics_block(metrics: Mapping) -> str:
+    return f"{METRICS_HEADER}\n{go_json(metrics)}\n"
+
+
+def format_anomaly_section(counters: AnomalyCounters) -> str:
+    """The Anomaly Counters section, or '' when every counter is zero."""
+    if not counters.any_nonzero():
+        return ""
+    lines = [ANOMALY_HEADER,
+             f"Priority Inversions: {counters.priority_inversions}",
+             f"HOL Blocking Events: {counters.hol_blocking_events}",
+             f"Rejected Requests (Admission): {counters.rejected_admission}",
+             *(f"  Shed ({cls}): {n}" for cls, n in counters.shed_by_class),
+             f"Rejected Requests (Routing): {counters.rejected_routing}",
+             f"Dropped Unservable: {counters.dropped_unservable}",
+             f"Timed Out Requests: {counters.timed_out}",
+             f"Length-Capped Requests: {counters.length_capped}"]
+    return "\n".join(lines) + "\n"
+
+
+def format_kv_cache_section(kv: KVCacheMetrics) -> str:
+    """The KV Cache Metrics section, or '' when all three figures are zero."""
+    if not kv.any_nonzero():
+        return ""
+    return (f"{KV_CACHE_HEADER}\n"
+            f"Preemption Rate: {kv.preemption_rate:.4f}\n"
+            f"Cache Hit Rate: {kv.cache_hit_rate:.4f}\n"
+            f"KV Thrashing Rate: {kv.thrashing_rate:.4f}\n")
+
+
+def format_per_slo_section(stats: Sequence[ClassLatency]) -> str:
+    """The Per-SLO Metrics section (values in µs, unlabelled, as BLIS prints them)."""
+    if not stats:
+        return ""
+    lines = [PER_SLO_HEADER]
+    for c in stats:
+        lines += [f"  {c.slo_class}:",
+                  f"    TTFT: mean={c.ttft_mean_us:.2f} p99={c.ttft_p99_us:.2f} (n={c.count})",
+                  f"    ITL:  mean={c.itl_mean_us:.2f} p99={c.itl_p99_us:.2f} (n={c.count})",
+                  f"    E2E:  mean={c.e2e_mean_us:.2f} p99={c.e2e_p99_us:.2f} (n={c.count})"]
+    return "\n".join(lines) + "\n"
+
+
+def format_per_tenant_section(usage: TenantUsage | None) -> str:
+    if usage is None:
+        return ""
+    lines = [PER_TENANT_HEADER]
+    lines += [f"  {tenant}: requests={n}, tokens={tokens}" for tenant, n, tokens in usage.tenants]
+    lines.append(f"  Jain Fairness Index: {usage.jain_index:.4f}")
+    return "\n".join(lines) + "\n"
+
+
+def render_stdout(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcfs",
+                  hol_blocking_events: int = 0, rejected_routing: int = 0,
+                  thrashing_rate: float = 0.0,
+                  goodput_targets: Mapping[str, Mapping[str, float]] | None = None,
+                  extra_sections: Sequence[str] = ()) -> str:
+    """The `run` / `replay` stdout: per-instance blocks (more than one instance), the cluster
+    block, then the Anomaly, KV-cache, Per-SLO and Per-Tenant sections when they apply, then
+    `extra_sections` (already formatted, e.g. Session or PD metrics, produced elsewhere)."""
+    parts = []
+    if out.num_instances > 1:
+        parts += [format_metrics_block(metrics_output(out, requests, k)) for k in range(out.num_instances)]
+    parts.append(format_metrics_block(metrics_output(out, requests, goodput_targets=goodput_targets)))
+    parts.append(format_anomaly_section(anomaly_counters(
+        out, requests, scheduler=scheduler, hol_blocking_events=hol_blocking_events,
+        rejected_routing=rejected_routing)))
+    parts.append(format_kv_cache_section(kv_cache_metrics(out, thrashing_rate)))
+    parts.append(format_per_slo_section(per_slo_latencies(out, requests, goodput_targets)))
+    parts.append(format_per_tenant_section(per_tenant_usage(out, requests)))
+    parts.extend(extra_sections)
+    return "".join(parts)
+
+
+# -------------------------------------------------------------------------------- files
+
+
+def metrics_file_text(out: SimOutput, requests: RequestSet,
+                      goodput_targets: Mapping[str, Mapping[str, float]] | None = None) -> str:
+    """--metrics-path content: cluster block + cache_hit_rate + per-request records.
+    BLIS writes the goodput fields after `requests`."""
+    block = metrics_output(out, requests, with_cache_hit_rate=True, goodput_targets=goodput_targets)
+    goodput = {k: block.pop(k) for k in GOODPUT_KEYS if k in block}
+    body = {**block, "requests": request_records(out, requests), **goodput}
+    return go_json(body)
+
+
+def results_file_text(out: SimOutput, requests: RequestSet) -> str:
+    """--results-path content: completed requests sorted by request_id."""
+    return go_json(results_entries(out, requests))
+
+
+def write_metrics_file(path: str | Path, out: SimOutput, requests: RequestSet,
+                       goodput_targets: Mapping[str, Mapping[str, float]] | None = None) -> None:
+    Path(path).write_text(metrics_file_text(out, requests, goodput_targets))
+
+
+def write_results_file(path: str | Path, out: SimOutput, requests: RequestSet) -> None:
+    Path(path).write_text(results_file_text(out, requests))

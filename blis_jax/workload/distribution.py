@@ -1,0 +1,183 @@
+"""CLI distribution workload (`blis run --workload distribution`, spec §4.1–4.2, §4.5).
+
+BLIS synthesises one client with *constant* arrivals at `--rate` (IAT = ⌊1/λ⌋ µs with
+λ = rate/10⁶, first arrival at one IAT) and clamped-Gaussian prompt/output lengths. Lengths
+cannot match Go's `math/rand` streams; they match in distribution. Randomness is keyed, not
+sequential: request i's lengths come from `fold_in(workload_key(seed), i)`, so they do not
+depend on how many requests are generated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blis_jax.errors import ConfigError
+from blis_jax.workload.requests import RequestSet, make_request_set
+
+# Fixed id of the workload stream (ASCII "wkld"): `fold_in(key(seed), WORKLOAD_STREAM)`
+# is independent of every other subsystem's stream derived from the same seed.
+WORKLOAD_STREAM = 0x776B6C64
+# Per-request sub-streams, so input and output draws never share a key.
+_INPUT_DRAW, _OUTPUT_DRAW = 0, 1
+
+DEFAULT_TIMEOUT_S = 300.0
+SHARED_PREFIX_GROUP = "shared"
+DISTRIBUTION_CLIENT = "distribution"
+# Guard against a horizon-only workload that would allocate an absurd number of rows.
+MAX_GENERATED_REQUESTS = 50_000_000
+_MIN_RATE_PER_US = 1e-15  # BLIS floors λ here before dividing
+
+
+@dataclasses.dataclass(frozen=True)
+class GaussianLength:
+    """round(clamp(N(mean, std), min, max)) tokens, at least 1 (spec §4.5)."""
+
+    mean: float
+    std: float
+    min: int
+    max: int
+
+    def check(self, flag: str) -> None:
+        """Raise ConfigError naming the CLI flag (`--prompt-tokens`, ...) of a bad figure."""
+        if not math.isfinite(self.mean):
+            raise ConfigError(f"{flag}: mean {self.mean} is not a finite number")
+        if not math.isfinite(self.std) or self.std < 0:
+            raise ConfigError(f"{flag}-stdev: {self.std} must be a finite number ≥ 0")
+        for suffix, value in (("-min", self.min), ("-max", self.max)):
+            if isinstance(value, bool) or not float(value).is_integer():
+                raise ConfigError(f"{flag}{suffix}: {value} must be an integer token count")
+        if self.min < 1:
+            raise ConfigError(f"{flag}-min: {self.min} must be ≥ 1 (a request needs at least one token)")
+        if self.min > self.max:
+            raise ConfigError(f"{flag}-min {self.min} > {flag}-max {self.max}; raise the max or lower the min")
+
+
+PROMPT_DEFAULT = GaussianLength(mean=512, std=256, min=2, max=7000)
+OUTPUT_DEFAULT = GaussianLength(mean=512, std=256, min=2, max=7000)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributionWorkload:
+    """The `run` flags that define a synthetic workload (BLIS defaults).
+
+    `num_requests` 0 means "bounded by the horizon only". `timeout_s` < 0 disables client
+    timeouts; 0 is rejected as in BLIS. `horizon_us` drops arrivals after it.
+    """
+
+    rate: float = 1.0
+    num_requests: int = 100
+    prompt: GaussianLength = PROMPT_DEFAULT
+    output: GaussianLength = OUTPUT_DEFAULT
+    prefix_tokens: int = 0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    horizon_us: int | None = None
+    client_id: str = DISTRIBUTION_CLIENT
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) \
+                or not math.isfinite(self.rate) or self.rate <= 0:
+            raise ConfigError(f"--rate: {self.rate!r} must be a finite number of requests/s > 0")
+        _check_int("--num-requests", self.num_requests, minimum=0)
+        _check_int("--prefix-tokens", self.prefix_tokens, minimum=0)
+        if self.horizon_us is not None:
+            _check_int("--horizon", self.horizon_us, minimum=1)
+        if self.num_requests == 0 and self.horizon_us is None:
+            raise ConfigError("--num-requests is 0 and no --horizon is set; give at least one bound")
+        if not isinstance(self.timeout_s, (int, float)) or math.isnan(self.timeout_s) or self.timeout_s == 0:
+            raise ConfigError(f"--timeout: {self.timeout_s!r} s is invalid; use seconds > 0, or < 0 to disable")
+        self.prompt.check("--prompt-tokens")
+        self.output.check("--output-tokens")
+
+
+def constant_iat_us(rate: float) -> int:
+    """BLIS constant inter-arrival time: ⌊1/λ⌋ µs with λ = rate/10⁶, at least 1.
+
+    Computed through λ exactly as Go does, not as ⌊10⁶/rate⌋: for rate 10 the float
+    reciprocal is 99999.99… and BLIS traces show IAT 99999.
+    """
+    lam = max(rate / 1e6, _MIN_RATE_PER_US)
+    return max(1, int(1.0 / lam))
+
+
+def arrival_times_us(rate: float, num_requests: int, horizon_us: int | None = None) -> np.ndarray:
+    """Arrivals k·IAT for k = 1..n, cut at `num_requests` (0 = no cap) and at the horizon."""
+    iat = constant_iat_us(rate)
+    n = num_requests
+    if horizon_us is not None:
+        # Arrivals at or before the horizon: an event exactly at the horizon still runs.
+        by_horizon = horizon_us // iat
+        n = by_horizon if n == 0 else min(n, by_horizon)
+    if n > MAX_GENERATED_REQUESTS:
+        raise ConfigError(f"--horizon: {n} requests would be generated (limit {MAX_GENERATED_REQUESTS}); "
+                          "set --num-requests or a shorter horizon")
+    return np.arange(1, n + 1, dtype=np.int64) * np.int64(iat)
+
+
+def workload_key(seed: int) -> jax.Array:
+    """Typed key of the workload subsystem for a simulation seed."""
+    return jax.random.fold_in(jax.random.key(seed), WORKLOAD_STREAM)
+
+
+def sample_gaussian_lengths(key: jax.Array, dist: GaussianLength, n: int, draw: int = 0) -> np.ndarray:
+    """Lengths of requests 0..n-1: request i uses fold_in(fold_in(key, i), draw)."""
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    z = np.asarray(_standard_normals(key, jnp.uint32(draw), _bucket(n)))[:n]
+    return clamp_round(z * float(dist.std) + float(dist.mean), dist.min, dist.max)
+
+
+def _bucket(n: int) -> int:
+    # Padding to a power of two (≥ 1024) keeps one compiled sampler per size class; the
+    # padded tail is discarded and, being keyed by index, cannot change the first n draws.
+    return max(1024, 1 << (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _standard_normals(key: jax.Array, draw: jax.Array, size: int) -> jax.Array:
+    ids = jnp.arange(size, dtype=jnp.uint32)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(key, i), draw))(ids)
+    return jax.vmap(lambda k: jax.random.normal(k, dtype=jnp.float64))(keys)
+
+
+def clamp_round(x: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """round(clamp(x, lo, hi)) with Go's math.Round (half away from zero), at least 1."""
+    c = np.clip(x, lo, hi)
+    rounded = np.sign(c) * np.floor(np.abs(c) + 0.5)
+    return np.maximum(rounded, 1).astype(np.int64)
+
+
+def generate_distribution(workload: DistributionWorkload, seed: int) -> RequestSet:
+    """Synthesise the workload; same (workload, seed) → identical arrays."""
+    arrivals = arrival_times_us(workload.rate, workload.num_requests, workload.horizon_us)
+    n = arrivals.shape[0]
+    key = workload_key(seed)
+    prompt = sample_gaussian_lengths(key, workload.prompt, n, _INPUT_DRAW)
+    output = sample_gaussian_lengths(key, workload.output, n, _OUTPUT_DRAW)
+    if workload.timeout_s > 0:
+        deadlines = arrivals + np.int64(round(workload.timeout_s * 1e6))
+    else:
+        deadlines = np.zeros(n, dtype=np.int64)
+    grouped = workload.prefix_tokens > 0
+    return make_request_set(
+        request_id=np.arange(n, dtype=np.int64),
+        arrival_us=arrivals,
+        input_len=prompt + workload.prefix_tokens,
+        output_len=output,
+        deadline_us=deadlines,
+        prefix_group=[SHARED_PREFIX_GROUP if grouped else ""] * n,
+        prefix_len=np.full(n, workload.prefix_tokens, dtype=np.int64),
+        client_id=[workload.client_id] * n,
+    )
+
+
+def _check_int(flag: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{flag}: {value!r} must be an integer")
+    if value < minimum:
+        raise ConfigError(f"{flag}: {value} must be ≥ {minimum}")

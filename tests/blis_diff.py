@@ -1,0 +1,128 @@
+"""Loader for the BLIS differential reference set (``../shared/reference/blis-diff``).
+
+``load_case(case_id)`` parses one case folder into a :class:`BlisDiffCase`:
+
+* ``case``        -- ``case.json`` as a dict (configuration in effect),
+* ``header``      -- ``trace.yaml`` (TraceV2 header) as a dict,
+* ``requests``    -- ``trace.csv`` rows turned into :class:`TraceRequest` (the
+  README's "How a row becomes a simulated request"), in file (= arrival) order,
+* ``results``     -- ``results.json`` keyed by ``request_id`` (completed requests),
+* ``metrics``     -- ``metrics.json`` without its ``requests`` array,
+* ``request_metrics`` -- ``metrics.json["requests"]`` keyed by ``request_id``.
+
+``case_id`` may be the full folder name or any unique prefix (``"A01"``).
+Pure Python (csv / json / yaml); no dependency on ``blis_jax``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+CASES_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "blis-diff"
+
+# Instance priority, vLLM convention (lower = more urgent); blis-features.md §2.8.
+SLO_PRIORITY = {"critical": 0, "standard": 1, "": 1, "batch": 5, "sheddable": 6, "background": 7}
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    request_id: int
+    arrival_us: int          # injection time: send_time_us if > 0 else arrival_time_us
+    input_len: int           # full prompt length (prefix_length + input_tokens for grouped rows)
+    output_len: int
+    deadline_us: int         # absolute, 0 = none
+    prefix_group: str        # "" = none
+    prefix_len: int          # shared-prefix tokens (0 when prefix_group is empty)
+    slo_class: str
+    priority: int            # vLLM convention (critical 0, standard 1, batch 5, ...)
+    tenant_id: str = ""
+    client_id: str = ""
+    session_id: str = ""
+    round_index: int = 0
+    model: str = ""
+
+
+@dataclass
+class BlisDiffCase:
+    case_id: str
+    path: Path
+    case: dict
+    header: dict
+    requests: list[TraceRequest]
+    results: dict[int, dict]
+    metrics: dict
+    request_metrics: dict[int, dict] = field(default_factory=dict)
+
+    # convenience accessors for the configuration in effect
+    @property
+    def horizon_us(self) -> int:
+        return int(self.case["horizon_us"])
+
+    @property
+    def num_instances(self) -> int:
+        return int(self.case["num_instances"])
+
+    def __getitem__(self, key):  # case["max_num_seqs"] style access to case.json
+        return self.case[key]
+
+
+def case_ids() -> list[str]:
+    """All case folder names, sorted."""
+    return sorted(p.name for p in CASES_DIR.iterdir() if (p / "case.json").is_file())
+
+
+def resolve_case_id(case_id: str) -> str:
+    if (CASES_DIR / case_id / "case.json").is_file():
+        return case_id
+    matches = [c for c in case_ids() if c.startswith(case_id)]
+    if len(matches) != 1:
+        raise KeyError(f"case {case_id!r}: {len(matches)} matches in {CASES_DIR}")
+    return matches[0]
+
+
+def parse_trace_rows(path: Path) -> list[TraceRequest]:
+    out = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            group = row["prefix_group"]
+            plen = int(row["prefix_length"] or 0) if group else 0
+            send = int(row["send_time_us"] or 0)
+            slo = row["slo_class"]
+            out.append(TraceRequest(
+                request_id=int(row["request_id"]),
+                arrival_us=send if send > 0 else int(row["arrival_time_us"]),
+                input_len=plen + int(row["input_tokens"]),
+                output_len=int(row["output_tokens"]),
+                deadline_us=int(row["deadline_us"] or 0),
+                prefix_group=group,
+                prefix_len=plen,
+                slo_class=slo,
+                priority=SLO_PRIORITY.get(slo, 1),
+                tenant_id=row.get("tenant_id", ""),
+                client_id=row.get("client_id", ""),
+                session_id=row.get("session_id", ""),
+                round_index=int(row.get("round_index") or 0),
+                model=row.get("model", ""),
+            ))
+    return out
+
+
+@lru_cache(maxsize=None)
+def load_case(case_id: str) -> BlisDiffCase:
+    cid = resolve_case_id(case_id)
+    d = CASES_DIR / cid
+    case = json.loads((d / "case.json").read_text())
+    header = yaml.safe_load((d / "trace.yaml").read_text()) or {}
+    requests = parse_trace_rows(d / "trace.csv")
+    results = {int(r["request_id"]): r for r in json.loads((d / "results.json").read_text())}
+    metrics = json.loads((d / "metrics.json").read_text())
+    req_metrics = {}
+    for r in metrics.pop("requests", None) or []:
+        req_metrics[int(r["requestID"].rsplit("_", 1)[1])] = r
+    return BlisDiffCase(cid, d, case, header, requests, results, metrics, req_metrics)
