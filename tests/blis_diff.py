@@ -19,7 +19,7 @@ from __future__ import annotations
 import csv
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -113,7 +113,7 @@ def parse_trace_rows(path: Path) -> list[TraceRequest]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_case(case_id: str) -> BlisDiffCase:
     cid = resolve_case_id(case_id)
     d = CASES_DIR / cid

@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 # instance event priorities (blis-features.md §2.1)
 EV_ARRIVAL, EV_QUEUED, EV_STEP, EV_LEFT, EV_TIMEOUT = 0, 1, 3, 5, 6
@@ -235,7 +235,7 @@ class StepRecord:
 
 @dataclass
 class SimResult:
-    requests: dict         # request_id -> dict(status, ttft_us, e2e_us, itl, sched_delay_us, output_tokens)
+    requests: dict         # request_id -> {status, ttft_us, e2e_us, itl, sched_delay_us, ...}
     counters: dict
     steps: list            # list[StepRecord]
 
@@ -262,8 +262,9 @@ class ReferenceEngine:
         self.step_pending = False
         self.clock = 0
         self.steps: list[StepRecord] = []
-        self.c = dict(preemption_count=0, dropped_unservable=0, timed_out=0, length_capped=0,
-                      total_input_tokens=0, completed=0, total_output_tokens=0, step_count=0)
+        self.c = dict.fromkeys(
+            ("preemption_count", "dropped_unservable", "timed_out", "length_capped",
+             "total_input_tokens", "completed", "total_output_tokens", "step_count"), 0)
 
     # -- events
     def _push(self, t, prio, kind, data=None):
@@ -275,11 +276,13 @@ class ReferenceEngine:
         self._push(t, EV_STEP, "step")
 
     def run(self) -> SimResult:
-        for r in self.reqs:                       # cluster arrival -> admission -> routing: all at t
+        # cluster arrival -> admission -> routing are all at t and run before instance
+        # events of the same tick, so pushing the instance arrivals up front is equivalent
+        for r in self.reqs:
             self._push(r.arrival, EV_ARRIVAL, "arrival", r)
         horizon = self.cfg.horizon_us
         while self.heap:
-            t, prio, _, kind, r = self.heap[0]
+            t, _prio, _, kind, r = self.heap[0]
             if t > horizon:
                 break
             heapq.heappop(self.heap)
@@ -520,15 +523,15 @@ class ReferenceEngine:
     def _finalize(self) -> SimResult:
         out = {}
         for r in self.reqs:
-            out[r.request_id] = dict(
-                status=r.state,
-                ttft_us=r.ttft,
-                e2e_us=r.e2e if r.state in (COMPLETED, LENGTH_CAPPED) else None,
-                itl=list(r.itl),
-                sched_delay_us=r.sched_delay,
-                output_tokens=r.output_tokens,
-                num_preemptions=r.num_preemptions,
-            )
+            out[r.request_id] = {
+                "status": r.state,
+                "ttft_us": r.ttft,
+                "e2e_us": r.e2e if r.state in (COMPLETED, LENGTH_CAPPED) else None,
+                "itl": list(r.itl),
+                "sched_delay_us": r.sched_delay,
+                "output_tokens": r.output_tokens,
+                "num_preemptions": r.num_preemptions,
+            }
         c = dict(self.c)
         c["kv_hits"] = self.kv.hits
         c["kv_misses"] = self.kv.misses
@@ -540,5 +543,6 @@ class ReferenceEngine:
         return SimResult(out, c, self.steps)
 
 
-def simulate(requests, cfg: EngineConfig, lat: LatencyHooks, record_steps: bool = True) -> SimResult:
+def simulate(requests, cfg: EngineConfig, lat: LatencyHooks,
+             record_steps: bool = True) -> SimResult:
     return ReferenceEngine(requests, cfg, lat, record_steps).run()

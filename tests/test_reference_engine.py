@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
-
 from blis_diff import load_case
 from reference_engine import EngineConfig, LatencyHooks, simulate
 
@@ -29,7 +28,7 @@ def _bucket(n: int) -> int:
     return s
 
 
-@lru_cache(maxsize=None)
+@cache
 def latency_model(model_id: str, hardware: str, tp: int, kind: str):
     from blis_jax.config import load_gpu, load_model
     from blis_jax.latency import build_latency_model
@@ -37,9 +36,10 @@ def latency_model(model_id: str, hardware: str, tp: int, kind: str):
     return build_latency_model(kind, load_model(model_id), load_gpu(hardware), tp=tp)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _jitted_step_time(model_id: str, hardware: str, tp: int, kind: str):
     import jax
+
     from blis_jax.latency import BatchFeatures, step_time_us
 
     model = latency_model(model_id, hardware, tp, kind)
@@ -66,12 +66,19 @@ def latency_hooks(case, input_lens=()) -> LatencyHooks:
 
     ``input_lens``: prompt lengths to precompute the queueing delay for (one vectorized call).
     """
-    from blis_jax.latency import output_token_time_us, post_decode_time_us, queueing_time_us
+    from blis_jax.latency import (
+        output_token_time_us,
+        post_decode_time_us,
+        queueing_time_us,
+    )
 
     key = (case["model"], case["hardware"], int(case["tp"]), case["latency_model"])
     model = latency_model(*key)
-    lens = sorted(set(int(x) for x in input_lens))
-    q_cache = dict(zip(lens, (int(v) for v in np.asarray(queueing_time_us(model, np.asarray(lens, np.int64)))))) if lens else {}
+    lens = sorted({int(x) for x in input_lens})
+    q_cache: dict[int, int] = {}
+    if lens:
+        q = np.asarray(queueing_time_us(model, np.asarray(lens, dtype=np.int64)))
+        q_cache = {n: int(v) for n, v in zip(lens, q, strict=True)}
 
     def queueing_time(input_len: int) -> int:
         if input_len not in q_cache:
@@ -98,7 +105,7 @@ def engine_config(case) -> EngineConfig:
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def run_case(case_id: str):
     """(BlisDiffCase, SimResult) of the oracle on one single-instance blis-diff case."""
     c = load_case(case_id)
@@ -109,8 +116,8 @@ def run_case(case_id: str):
 def compare(case_id: str) -> dict:
     """Per-request comparison of the oracle with results.json / metrics.json["requests"]."""
     c, res = run_case(case_id)
-    out = dict(n=0, match=0, first_bad=None, sched_bad=[], itl_bad=[], status_bad=[],
-               ttft_bad=[])
+    out = {"n": 0, "match": 0, "first_bad": None, "sched_bad": [], "itl_bad": [], "status_bad": [],
+               "ttft_bad": []}
     for r in c.requests:
         rid = r.request_id
         got = res.requests[rid]

@@ -103,7 +103,7 @@ def _schedule_running_exact(state, dims, params, req, budget):
         row = state.batch_rows[i]
         want = wanted_tokens(state, params, req, row[None], jnp.asarray([True]))[0]
         n = jnp.minimum(want, budget)
-        need = kv.blocks_needed(dims, state.row_nblocks[row], state.row_kv_tokens[row], n)
+        need = kv.blocks_needed(dims, state.row_nblocks[row], state.row_kv_tokens[row], n, state.row_offset[row])
         fits = need <= state.free_count
         state = kv.allocate_rows(state, dims, req, row[None], n[None], (fits & (n > 0))[None], params.total_kv_blocks)
         state = dataclasses.replace(
@@ -133,7 +133,8 @@ def schedule_running(state: EngineState, dims: EngineDims, params: EngineParams,
     # exclusive prefix sum.
     n = jnp.clip(budget - (jnp.cumsum(want) - want), 0, want)
     safe = jnp.maximum(rows, 0)
-    need = jnp.where(valid, kv.blocks_needed(dims, state.row_nblocks[safe], state.row_kv_tokens[safe], n), 0)
+    need = kv.blocks_needed(dims, state.row_nblocks[safe], state.row_kv_tokens[safe], n, state.row_offset[safe])
+    need = jnp.where(valid, need, 0)
     fits = jnp.sum(need) <= state.free_count
     state = kv.allocate_rows(state, dims, req, rows, n, valid & (n > 0) & fits, params.total_kv_blocks)
     row_new = state.row_new.at[jnp.where(valid & fits, rows, dims.rows)].set(n, mode="drop")
@@ -176,8 +177,10 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         n = jnp.minimum(n, budget)
         mml = params.max_model_len
         n = jnp.where(mml > 0, jnp.minimum(n, jnp.maximum(mml - 1 - start, 0)), n)
+        # BLIS quirk: a zero-token admission claims none of its cached blocks (kv.py)
+        n_claim = jnp.where(n > 0, n_hit, 0)
         j = jnp.arange(dims.blocks_per_request)
-        cached_on_free_list = jnp.sum((j < n_hit) & state.block_free[jnp.maximum(cached, 0)])
+        cached_on_free_list = jnp.sum((j < n_claim) & state.block_free[jnp.maximum(cached, 0)])
         admit = (n + bs - 1) // bs + cached_on_free_list <= state.free_count
 
         old_row = state.row_of[r]
@@ -185,13 +188,14 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         no_row = admit & (old_row < 0) & (state.row_state[free_row] != ROW_FREE)
         row = jnp.where(old_row >= 0, old_row, free_row).astype(jnp.int32)
         at_row = jnp.where(admit, row, dims.rows)
-        state = kv.claim_cached(state, dims, row, cached, n_hit, admit)
+        state = kv.claim_cached(state, dims, row, cached, n_claim, admit)
         state = dataclasses.replace(
             state,
             row_req=state.row_req.at[at_row].set(r, mode="drop"),
             row_state=state.row_state.at[at_row].set(ROW_RUNNING, mode="drop"),
             row_progress=state.row_progress.at[at_row].set(0, mode="drop"),
             row_kv_tokens=state.row_kv_tokens.at[at_row].set(start, mode="drop"),
+            row_offset=state.row_offset.at[at_row].set(start - n_claim * bs, mode="drop"),
             row_ttft_set=state.row_ttft_set.at[at_row].set(False, mode="drop"),
             row_of=state.row_of.at[jnp.where(admit, r, dims.num_requests)].set(row, mode="drop"),
             result=state.result | jnp.where(no_row, results.ROWS_FULL, 0).astype(jnp.int32),

@@ -201,7 +201,7 @@ def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams,
         prog = progress[slot]
         out = output_len[slot]
         final_slot = is_done & (out > 0) & (prog < input_len[slot] + out)
-        need = kv.blocks_needed(dims, state.row_nblocks[row], state.row_kv_tokens[row], 1)
+        need = kv.blocks_needed(dims, state.row_nblocks[row], state.row_kv_tokens[row], 1, state.row_offset[row])
         can = final_slot & (need <= state.free_count)
         state = kv.allocate_rows(state, dims, req, row[None], jnp.ones(1, jnp.int64), can[None], params.total_kv_blocks)
         state = kv.release_row(state, dims, row)

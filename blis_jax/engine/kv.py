@@ -15,6 +15,9 @@ Behaviour follows BLIS's single-tier cache (blis-features §2.9):
   (key = group, block index); every other block is unique to its request (key = request,
   block index). Only full blocks get a key.
 * Allocation is check-then-act: callers verify `blocks_needed <= free_count` first.
+* BLIS quirk kept for parity: a prompt that is fully cached is admitted with zero new tokens
+  and then claims nothing (no hits, no references); its later decode blocks start at token
+  `row_offset` = prompt length and can never be hit, so they get no content key.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ def content_key(dims: EngineDims, req: RequestArrays, r, j):
     return jnp.where(j < shared, group_key, own_key)
 
 
-def blocks_needed(dims: EngineDims, nblocks, kv_tokens, new_tokens):
+def blocks_needed(dims: EngineDims, nblocks, kv_tokens, new_tokens, offset=0):
     """New blocks for `new_tokens` more tokens after filling the last block's spare slots."""
     bs = dims.block_size
-    spare = nblocks.astype(jnp.int64) * bs - kv_tokens
+    spare = offset + nblocks.astype(jnp.int64) * bs - kv_tokens
     return (jnp.maximum(new_tokens - spare, 0) + bs - 1) // bs
 
 
@@ -181,7 +184,8 @@ def allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, rows
     bs = dims.block_size
     safe_rows = jnp.maximum(rows, 0)
     nblocks = state.row_nblocks[safe_rows].astype(jnp.int64)
-    kv = state.row_kv_tokens[safe_rows]
+    offset = state.row_offset[safe_rows]
+    kv = state.row_kv_tokens[safe_rows] - offset  # tokens held by the row's own blocks
     need = jnp.where(active, blocks_needed(dims, nblocks, kv, new_tokens), 0)
     total = jnp.sum(need)
     state = dataclasses.replace(
@@ -207,13 +211,16 @@ def allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, rows
         row_nblocks=state.row_nblocks.at[jnp.where(active, safe_rows, dims.rows)].add(
             need.astype(jnp.int32), mode="drop"
         ),
-        row_kv_tokens=state.row_kv_tokens.at[jnp.where(active, safe_rows, dims.rows)].set(new_kv, mode="drop"),
+        row_kv_tokens=state.row_kv_tokens.at[jnp.where(active, safe_rows, dims.rows)].set(
+            new_kv + offset, mode="drop"
+        ),
     )
     # Keys for the new blocks that are full, and for each row's previously partial last block.
-    full_new = live & ((block_index + 1) * bs <= new_kv[owner])
+    keyed = offset == 0
+    full_new = live & keyed[owner] & ((block_index + 1) * bs <= new_kv[owner])
     state = register_full_blocks(state, dims, req, r[owner], ids, block_index, full_new)
     last = jnp.maximum(nblocks - 1, 0)
-    was_partial = active & (nblocks > 0) & (nblocks * bs > kv)
+    was_partial = active & keyed & (nblocks > 0) & (nblocks * bs > kv)
     now_full = was_partial & (nblocks * bs <= new_kv)
     last_blocks = state.row_blocks[safe_rows, last]
     return register_full_blocks(state, dims, req, r, last_blocks, last, now_full)

@@ -81,6 +81,7 @@ class EngineState(eqx.Module):
     row_state: Int32[Array, " R"]
     row_progress: Int64[Array, " R"]  # ProgressIndex
     row_kv_tokens: Int64[Array, " R"]  # tokens with an allocated KV slot
+    row_offset: Int64[Array, " R"]  # token position of the row's first block (see kv.py)
     row_new: Int64[Array, " R"]  # NumNewTokens this step
     row_ttft_set: Bool[Array, " R"]
     row_nblocks: Int32[Array, " R"]
@@ -164,6 +165,7 @@ def init_state(
         row_state=jnp.zeros(r, jnp.int32),
         row_progress=jnp.zeros(r, jnp.int64),
         row_kv_tokens=jnp.zeros(r, jnp.int64),
+        row_offset=jnp.zeros(r, jnp.int64),
         row_new=jnp.zeros(r, jnp.int64),
         row_ttft_set=jnp.zeros(r, bool),
         row_nblocks=jnp.zeros(r, jnp.int32),
