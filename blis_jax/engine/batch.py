@@ -26,6 +26,9 @@ from blis_jax.engine.state import (
     RUNNING,
     EngineState,
     RequestArrays,
+    row_of,
+    set_row,
+    set_status,
 )
 from blis_jax.engine import results
 
@@ -62,19 +65,18 @@ def _preempt(state: EngineState, dims: EngineDims, req: RequestArrays, slot, bud
     budget = budget + jnp.where(active, state.row_new[row], 0)
     state = kv.release_row(state, dims, row, active)
     at_row = jnp.where(active, row, dims.rows)
-    at_r = jnp.where(active, r, dims.num_requests)
     state = dataclasses.replace(
         state,
         row_state=state.row_state.at[at_row].set(ROW_PREEMPTED, mode="drop"),
         row_progress=state.row_progress.at[at_row].set(0, mode="drop"),
         row_kv_tokens=state.row_kv_tokens.at[at_row].set(0, mode="drop"),
         row_new=state.row_new.at[at_row].set(0, mode="drop"),
-        row_ttft_set=state.row_ttft_set.at[at_row].set(False, mode="drop"),
-        status=state.status.at[at_r].set(QUEUED, mode="drop"),
-        num_itl=state.num_itl.at[at_r].set(0, mode="drop"),
-        itl_sum=state.itl_sum.at[at_r].set(0, mode="drop"),
+        row_ttft=state.row_ttft.at[at_row].set(-1, mode="drop"),
+        row_num_itl=state.row_num_itl.at[at_row].set(0, mode="drop"),
+        row_itl_sum=state.row_itl_sum.at[at_row].set(0, mode="drop"),
         preemptions=state.preemptions + active,
     )
+    state = set_status(state, r, QUEUED, active)
     state = remove_batch_slots(state, dims, active & (jnp.arange(dims.batch_slots) == slot))
     return waitqueue.push_front(state, dims, req, r, active), budget
 
@@ -183,7 +185,7 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         cached_on_free_list = jnp.sum((j < n_claim) & state.block_free[jnp.maximum(cached, 0)])
         admit = (n + bs - 1) // bs + cached_on_free_list <= state.free_count
 
-        old_row = state.row_of[r]
+        old_row = row_of(state, r)
         free_row = jnp.argmax(state.row_state == ROW_FREE)
         no_row = admit & (old_row < 0) & (state.row_state[free_row] != ROW_FREE)
         row = jnp.where(old_row >= 0, old_row, free_row).astype(jnp.int32)
@@ -196,21 +198,21 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             row_progress=state.row_progress.at[at_row].set(0, mode="drop"),
             row_kv_tokens=state.row_kv_tokens.at[at_row].set(start, mode="drop"),
             row_offset=state.row_offset.at[at_row].set(start - n_claim * bs, mode="drop"),
-            row_ttft_set=state.row_ttft_set.at[at_row].set(False, mode="drop"),
-            row_of=state.row_of.at[jnp.where(admit, r, dims.num_requests)].set(row, mode="drop"),
+            row_ttft=state.row_ttft.at[at_row].set(-1, mode="drop"),
+            row_num_itl=state.row_num_itl.at[at_row].set(0, mode="drop"),
+            row_itl_sum=state.row_itl_sum.at[at_row].set(0, mode="drop"),
+            row_sched_delay=state.row_sched_delay.at[at_row].set(state.now - req.arrival[r], mode="drop"),
             result=state.result | jnp.where(no_row, results.ROWS_FULL, 0).astype(jnp.int32),
         )
         state = kv.allocate_rows(state, dims, req, row[None], n[None], admit[None], params.total_kv_blocks)
         state = waitqueue.pop_head(state, dims, admit)
-        at_r = jnp.where(admit, r, dims.num_requests)
         state = dataclasses.replace(
             state,
             row_new=state.row_new.at[at_row].set(n, mode="drop"),
             batch_rows=state.batch_rows.at[jnp.where(admit, state.batch_len, dims.batch_slots)].set(row, mode="drop"),
             batch_len=state.batch_len + admit,
-            status=state.status.at[at_r].set(RUNNING, mode="drop"),
-            sched_delay=state.sched_delay.at[at_r].set(state.now - req.arrival[r], mode="drop"),
         )
+        state = set_row(set_status(state, r, RUNNING, admit), r, row, admit)
         return state, jnp.where(admit, budget - n, budget), ~admit
 
     state, budget, _ = jax.lax.while_loop(cond, body, (state, budget, jnp.asarray(False)))

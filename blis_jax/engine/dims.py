@@ -42,6 +42,7 @@ class EngineDims:
     scheduler: str = "fcfs"
     preemption_policy: str = "fcfs"
     wait_slots: int = 8  # wait-window capacity for priority-ordered schedulers
+    window: int = 1024  # in-flight request window (consecutive enqueue positions)
 
     @property
     def rows(self) -> int:
@@ -93,4 +94,5 @@ def choose_dims(
         scheduler=scheduler,
         preemption_policy=preemption_policy,
         wait_slots=bucket(min(max(n, 1), 4096) * growth) if scheduler != "fcfs" else 8,
+        window=bucket(min(max(n, 1), 4096) * growth),
     )

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from blis_jax import latency
-from blis_jax.engine import batch, kv, waitqueue
+from blis_jax.engine import batch, kv, results, waitqueue
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.state import (
@@ -26,6 +26,11 @@ from blis_jax.engine.state import (
     TIMED_OUT,
     EngineState,
     RequestArrays,
+    log_exit,
+    row_of,
+    set_row,
+    set_status,
+    status_of,
 )
 
 ENQUEUE, STEP, TIMEOUT = 0, 1, 2
@@ -76,10 +81,24 @@ def _advance_clock(state: EngineState, now, active) -> EngineState:
 def enqueue(state, dims: EngineDims, params: EngineParams, req: RequestArrays, model, active) -> EngineState:
     """QueuedEvent: enqueue guards, then the request joins the wait queue."""
     n = state.enqueue_order.shape[0]
-    r = state.enqueue_order[jnp.minimum(state.enq_pos, n - 1)]
+    pos = jnp.minimum(state.enq_pos, n - 1)
+    r = state.enqueue_order[pos]
     now = state.enqueue_time[r]
+    # The request takes window slot pos % W: the slot must not hold a request in flight, and
+    # (fcfs) the FIFO part of the queue must span fewer than W positions.
+    slot_busy = (state.win_status[pos & (dims.window - 1)] == QUEUED) | (
+        state.win_status[pos & (dims.window - 1)] == RUNNING
+    )
+    if dims.scheduler == "fcfs":
+        slot_busy = slot_busy | (state.enq_pos - state.fifo_head >= dims.window)
+    overflow = active & slot_busy
+    active = active & ~overflow
     state = _advance_clock(state, now, active)
-    state = dataclasses.replace(state, enq_pos=state.enq_pos + active)
+    state = dataclasses.replace(
+        state,
+        enq_pos=state.enq_pos + active,
+        result=state.result | jnp.where(overflow, results.WINDOW_FULL, 0).astype(jnp.int32),
+    )
     input_len, output_len = req.input_len[r], req.output_len[r]
     mml = params.max_model_len
     too_long = (mml > 0) & ((input_len >= mml) | ((output_len > 0) & (input_len + output_len > mml)))
@@ -88,9 +107,11 @@ def enqueue(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
     past_due = active & ~dropped & (req.deadline[r] > 0) & (req.deadline[r] <= now)
     queued = active & ~dropped & ~past_due
     status = jnp.where(dropped, DROPPED, jnp.where(past_due, TIMED_OUT, QUEUED))
+    state = set_status(state, r, status, active)
+    state = set_row(state, r, -1, active)
+    state = log_exit(state, dims, r, status, dropped | past_due)
     state = dataclasses.replace(
         state,
-        status=state.status.at[jnp.where(active, r, dims.num_requests)].set(status, mode="drop"),
         dropped=state.dropped + dropped,
         timed_out=state.timed_out + past_due,
         total_input_tokens=state.total_input_tokens + jnp.where(active & ~dropped, input_len, 0),
@@ -105,27 +126,29 @@ def timeout(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
     n = state.deadline_order.shape[0]
     r = state.deadline_order[jnp.minimum(state.dl_pos, n - 1)]
     state, itl_samples = _detach_itl(dataclasses.replace(state, dl_pos=state.dl_pos + active))
-    status = state.status[r]
-    waiting = active & (status == QUEUED)
-    running = active & (status == RUNNING)
+    # A request not yet enqueued has no window slot (its slot may hold an older request).
+    enqueued = state.enqueue_rank[r] < state.enq_pos
+    status = status_of(state, r)
+    row = row_of(state, r)
+    waiting = active & enqueued & (status == QUEUED)
+    running = active & enqueued & (status == RUNNING)
     fires = waiting | running
-    row = state.row_of[r]
     has_row = fires & (row >= 0)
     state = _advance_clock(state, req.deadline[r], fires)
     state = waitqueue.remove(state, dims, r, waiting)
     state = kv.release_row(state, dims, row, running)
     in_batch = (jnp.arange(dims.batch_slots) < state.batch_len) & (state.batch_rows == row) & has_row
     state = batch.remove_batch_slots(state, dims, in_batch)
+    state = log_exit(state, dims, r, TIMED_OUT, fires, row=jnp.where(has_row, row, -1))
     at_row = jnp.where(has_row, row, dims.rows)
     state = dataclasses.replace(
         state,
-        status=state.status.at[jnp.where(fires, r, dims.num_requests)].set(TIMED_OUT, mode="drop"),
         timed_out=state.timed_out + fires,
         row_state=state.row_state.at[at_row].set(ROW_FREE, mode="drop"),
         row_req=state.row_req.at[at_row].set(-1, mode="drop"),
-        row_of=state.row_of.at[jnp.where(has_row, r, dims.num_requests)].set(-1, mode="drop"),
         itl_samples=itl_samples,
     )
+    state = set_row(set_status(state, r, TIMED_OUT, fires), r, -1, fires)
     return _ensure_step(state, fires)
 
 
@@ -159,21 +182,19 @@ def _execute(state: EngineState, itl_samples, dims: EngineDims, req: RequestArra
     in_prefill = valid & (progress < input_len)
     decoded = valid & ~in_prefill & (feats.new_tokens > 0)
     new_progress = jnp.where(in_prefill, state.row_kv_tokens[rows], jnp.where(decoded, progress + 1, progress))
-    first_token = valid & (new_progress == input_len) & ~state.row_ttft_set[rows]
+    first_token = valid & (new_progress == input_len) & (state.row_ttft[rows] < 0)
     sample = step_us + token_us
-    sample_at = jnp.where(decoded, req.itl_offset[r] + state.num_itl[r], dims.itl_samples)
-    drop_r = lambda mask: jnp.where(mask, r, dims.num_requests)  # noqa: E731
+    sample_at = jnp.where(decoded, req.itl_offset[r] + state.row_num_itl[rows], dims.itl_samples)
     drop_row = lambda mask: jnp.where(mask, rows, dims.rows)  # noqa: E731
     state = dataclasses.replace(
         state,
         row_progress=state.row_progress.at[drop_row(valid)].set(new_progress, mode="drop"),
-        row_ttft_set=state.row_ttft_set.at[drop_row(first_token)].set(True, mode="drop"),
-        ttft=state.ttft.at[drop_r(first_token)].set(state.now + sample - req.arrival[r], mode="drop"),
-        num_itl=state.num_itl.at[drop_r(decoded)].add(1, mode="drop"),
-        itl_sum=state.itl_sum.at[drop_r(decoded)].add(sample, mode="drop"),
+        row_ttft=state.row_ttft.at[drop_row(first_token)].set(state.now + sample - req.arrival[r], mode="drop"),
+        row_num_itl=state.row_num_itl.at[drop_row(decoded)].add(1, mode="drop"),
+        row_itl_sum=state.row_itl_sum.at[drop_row(decoded)].add(sample, mode="drop"),
         steps=state.steps + active,
     )
-    return state, step_us, itl_samples.at[sample_at].set(sample, mode="drop")
+    return state, step_us, itl_samples.at[sample_at].set(sample.astype(jnp.int32), mode="drop")
 
 
 def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, model, step_us,
@@ -207,17 +228,16 @@ def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams,
         state = kv.release_row(state, dims, row)
         generated = prog - input_len[slot]
         tokens = jnp.where(is_done, generated + (generated < out), mml - 1 - input_len[slot])
-        e2e = state.ttft[rq] + state.itl_sum[rq] + jnp.where(out > 0, post_us, 0)
+        e2e = state.row_ttft[row] + state.row_itl_sum[row] + jnp.where(out > 0, post_us, 0)
+        status = jnp.where(is_done, COMPLETED, LENGTH_CAPPED)
+        state = log_exit(state, dims, rq, status, True, row=row, e2e=e2e, output_tokens=tokens)
+        state = set_row(set_status(state, rq, status, True), rq, -1, True)
         return dataclasses.replace(
             state,
-            status=state.status.at[rq].set(jnp.where(is_done, COMPLETED, LENGTH_CAPPED)),
-            e2e=state.e2e.at[rq].set(e2e),
-            output_tokens=state.output_tokens.at[rq].set(tokens),
             length_capped=state.length_capped + ~is_done,
             kv_alloc_failures=state.kv_alloc_failures + (final_slot & ~can),
             row_state=state.row_state.at[row].set(ROW_FREE),
             row_req=state.row_req.at[row].set(-1),
-            row_of=state.row_of.at[rq].set(-1),
         )
 
     state = jax.lax.fori_loop(0, n_leaving, body, state)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from blis_jax.engine import results
 from blis_jax.engine.dims import EngineDims
-from blis_jax.engine.state import NO_KEY, EngineState, RequestArrays
+from blis_jax.engine.state import NO_KEY, EngineState, RequestArrays, row_of
 
 
 def content_key(dims: EngineDims, req: RequestArrays, r, j):
@@ -99,23 +99,25 @@ def pop_blocks(state: EngineState, dims: EngineDims, count, total_kv_blocks):
     ids = jnp.where(slot < n_fresh, state.fresh_next.astype(jnp.int64) + slot, -1).astype(jnp.int32)
     need = count - n_fresh
 
+    # The loop carries the state (read-only here) instead of capturing it: a captured block
+    # array that is updated after the loop would be copied by XLA on every call.
     def cond(c):
-        _, got, head = c
-        return (got < need) & (head < state.ring_tail)
+        _, got, head, s = c
+        return (got < need) & (head < s.ring_tail)
 
     def body(c):
-        ids, got, head = c
+        ids, got, head, s = c
         pos = head + slot
-        entry, valid = _ring_entry_valid(state, dims, pos)
+        entry, valid = _ring_entry_valid(s, dims, pos)
         rank = jnp.cumsum(valid)
         take = valid & (rank <= need - got)
         ids = ids.at[jnp.where(take, n_fresh + got + rank - 1, m)].set(entry, mode="drop")
         taken = jnp.sum(take)
         last = jnp.max(jnp.where(take, slot, -1))
-        head = jnp.where(got + taken >= need, head + last + 1, jnp.minimum(head + m, state.ring_tail))
-        return ids, got + taken, head
+        head = jnp.where(got + taken >= need, head + last + 1, jnp.minimum(head + m, s.ring_tail))
+        return ids, got + taken, head, s
 
-    ids, _, head = jax.lax.while_loop(cond, body, (ids, jnp.int64(0), state.ring_head))
+    ids, _, head, state = jax.lax.while_loop(cond, body, (ids, jnp.int64(0), state.ring_head, state))
     live = slot < count
     target = jnp.where(live, ids, dims.kv_blocks)
     state = dataclasses.replace(
@@ -238,7 +240,7 @@ def cached_prefix(state: EngineState, dims: EngineDims, req: RequestArrays, r):
     keys = content_key(dims, req, r, j)
     group = jnp.maximum(req.prefix_group[r], 0)
     from_group = state.group_block[group, jnp.minimum(j, dims.prefix_blocks - 1)]
-    old_row = state.row_of[r]
+    old_row = row_of(state, r)
     safe_row = jnp.maximum(old_row, 0)
     from_row = jnp.where((old_row >= 0) & (j < state.row_nblocks[safe_row]), state.row_blocks[safe_row], -1)
     cand = jnp.where(j < req.shared_blocks[r], from_group, from_row)

@@ -11,6 +11,7 @@ WAIT_WINDOW_FULL = 1 << 2  # priority wait window full
 ALLOC_OVERFLOW = 1 << 3  # one allocation needed more than alloc_blocks blocks
 MAX_EVENTS = 1 << 4  # event budget of this call exhausted (the driver continues)
 ITL_BUFFER_FULL = 1 << 5  # ITL sample buffer overflow (cannot happen if sized from outputs)
+WINDOW_FULL = 1 << 6  # requests in flight span more than `window` enqueue positions
 
 _NAMES = {
     ROWS_FULL: "rows_full",
@@ -19,9 +20,10 @@ _NAMES = {
     ALLOC_OVERFLOW: "alloc_overflow",
     MAX_EVENTS: "max_events",
     ITL_BUFFER_FULL: "itl_buffer_full",
+    WINDOW_FULL: "window_full",
 }
 
-GROWABLE = ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL
+GROWABLE = ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL | WINDOW_FULL
 
 
 def describe(code: int) -> str:

@@ -150,7 +150,7 @@ def simulate_instance(
             limit += events_per_chunk
             state = advance(dims, state, params, req, model, jnp.int64(limit))
             if progress is not None:
-                done = int(jnp.sum(state.status >= 3))
+                done = int(state.finished)
                 progress(done, len(requests), int(state.now))
             if bool(finished(state, params, req)):
                 break
@@ -161,6 +161,31 @@ def simulate_instance(
         return to_output(state, dims, params, requests, code)
 
 
+def request_status(state: EngineState, num_requests: int) -> np.ndarray:
+    """Engine status code of every request (host side): the output log for requests that left,
+    the in-flight window for the others, PENDING for requests not yet enqueued."""
+    from blis_jax.engine import state as st
+
+    s = jax.device_get(state)
+    status = np.asarray(s.out_status[:num_requests]).copy()
+    for pos, slot, r in _in_flight(s, num_requests):
+        status[r] = s.win_status[slot]
+    return status
+
+
+def _in_flight(s, num_requests: int):
+    """(enqueue position, window slot, request) of requests still queued or running."""
+    from blis_jax.engine import state as st
+
+    w = s.win_status.shape[0]
+    enq = int(s.enq_pos)
+    for pos in range(max(0, enq - w), enq):
+        slot = pos & (w - 1)
+        r = int(s.enqueue_order[pos])
+        if r < num_requests and int(s.win_status[slot]) in (st.QUEUED, st.RUNNING):
+            yield pos, slot, r
+
+
 def to_output(state: EngineState, dims: EngineDims, params: EngineParams, requests: RequestSet, code: int) -> SimOutput:
     """Device state → numpy SimOutput (per-request arrays trimmed to the request count)."""
     from blis_jax.engine import output as out
@@ -168,7 +193,17 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
 
     n = len(requests)
     s = jax.device_get(state)
-    status = np.asarray(s.status[:n])
+    status = np.asarray(s.out_status[:n]).copy()
+    ttft = np.asarray(s.out_ttft[:n]).copy()
+    itl_sum = np.asarray(s.out_itl_sum[:n]).copy()
+    num_itl = np.asarray(s.out_num_itl[:n]).copy()
+    sched_delay = np.asarray(s.out_sched_delay[:n]).copy()
+    for _, slot, r in _in_flight(s, n):
+        status[r] = s.win_status[slot]
+        row = int(s.win_row[slot])
+        if row >= 0:
+            ttft[r], sched_delay[r] = s.row_ttft[row], s.row_sched_delay[row]
+            itl_sum[r], num_itl[r] = s.row_itl_sum[row], s.row_num_itl[row]
     output_status = np.select(
         [status == st.COMPLETED, status == st.LENGTH_CAPPED, status == st.TIMED_OUT, status == st.DROPPED,
          status == st.QUEUED, status == st.RUNNING],
@@ -177,8 +212,7 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
     )
     finished_ok = (status == st.COMPLETED) | (status == st.LENGTH_CAPPED)
     offsets = np.concatenate([[0], np.cumsum(np.maximum(requests.output_len, 1))[:-1]]) if n else np.zeros(0, int)
-    num_itl = np.asarray(s.num_itl[:n])
-    samples = np.asarray(s.itl_samples)
+    samples = np.asarray(s.itl_samples).astype(np.int64)
     pooled = [samples[o : o + k] for o, k, ok in zip(offsets, num_itl, finished_ok) if ok and k > 0]
     itl = np.concatenate(pooled) if pooled else np.zeros(0, np.int64)
     horizon = int(params.horizon_us)
@@ -186,12 +220,12 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
     sim_end = max(int(s.sim_end), int(arrived.max()) if len(arrived) else 0)
     return SimOutput(
         status=output_status.astype(np.int8),
-        ttft_us=np.asarray(s.ttft[:n]),
-        e2e_us=np.where(finished_ok, np.asarray(s.e2e[:n]), -1),
-        itl_sum_us=np.asarray(s.itl_sum[:n]),
+        ttft_us=ttft,
+        e2e_us=np.where(finished_ok, np.asarray(s.out_e2e[:n]), -1),
+        itl_sum_us=itl_sum,
         num_itl=num_itl,
-        sched_delay_us=np.asarray(s.sched_delay[:n]),
-        output_tokens=np.asarray(s.output_tokens[:n]),
+        sched_delay_us=sched_delay,
+        output_tokens=np.asarray(s.out_output_tokens[:n]),
         handled_by=np.zeros(n, np.int32),
         itl_samples=itl,
         preemption_count=int(s.preemptions),

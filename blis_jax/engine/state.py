@@ -2,8 +2,11 @@
 
 Three groups of buffers, each with a fixed capacity from `EngineDims`:
 
-* per request (N): lifecycle status and the metrics recorded for it. The loop touches O(1)
-  entries of these per event (dynamic index), so per-event work does not grow with N.
+* per request (N): read-only inputs, and an output log (`out_*`) written once when a request
+  leaves (completes, times out, is dropped) and never read inside the loop, so XLA updates it
+  in place. Mutable per-request state lives in a window of W slots indexed by enqueue position
+  (requests in flight span at most W consecutive positions), so per-event work and memory
+  traffic do not grow with N.
 * per block-table row (rows = batch slots + preempted slots): the running batch's requests
   (progress, allocated tokens, block table). A preempted request keeps its row until it is
   re-admitted, so it can re-hit its own surviving prefix blocks.
@@ -12,6 +15,8 @@ Three groups of buffers, each with a fixed capacity from `EngineDims`:
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -60,21 +65,26 @@ class EngineState(eqx.Module):
     sim_end: Int64[Array, ""]
     enq_pos: Int32[Array, ""]  # enqueue events processed (index into enqueue order)
     dl_pos: Int32[Array, ""]  # timeout events processed (index into deadline order)
-    enqueue_order: Int32[Array, " N"]
+    enqueue_order: Int32[Array, " N"]  # request at each enqueue position
+    enqueue_rank: Int32[Array, " N"]  # enqueue position of each request
     enqueue_time: Int64[Array, " N"]  # per request: arrival + queueing delay
     deadline_order: Int32[Array, " N"]
     num_deadlines: Int32[Array, ""]
 
-    # per request
-    status: Int32[Array, " N"]
-    ttft: Int64[Array, " N"]
-    e2e: Int64[Array, " N"]
-    itl_sum: Int64[Array, " N"]
-    num_itl: Int64[Array, " N"]
-    sched_delay: Int64[Array, " N"]
-    output_tokens: Int64[Array, " N"]
-    row_of: Int32[Array, " N"]
-    itl_samples: Int64[Array, " T"]
+    # in-flight requests, by enqueue position modulo W
+    win_status: Int32[Array, " W"]
+    win_row: Int32[Array, " W"]  # block-table row of a running or preempted request, else -1
+
+    # output log, per request (write-only inside the loop)
+    out_status: Int32[Array, " N"]
+    out_ttft: Int64[Array, " N"]
+    out_e2e: Int64[Array, " N"]
+    out_itl_sum: Int64[Array, " N"]
+    out_num_itl: Int64[Array, " N"]
+    out_sched_delay: Int64[Array, " N"]
+    out_output_tokens: Int64[Array, " N"]
+    itl_samples: Int32[Array, " T"]
+    finished: Int64[Array, ""]  # requests that left (completed, timed out, dropped)
 
     # block-table rows
     row_req: Int32[Array, " R"]
@@ -83,7 +93,10 @@ class EngineState(eqx.Module):
     row_kv_tokens: Int64[Array, " R"]  # tokens with an allocated KV slot
     row_offset: Int64[Array, " R"]  # token position of the row's first block (see kv.py)
     row_new: Int64[Array, " R"]  # NumNewTokens this step
-    row_ttft_set: Bool[Array, " R"]
+    row_ttft: Int64[Array, " R"]  # -1 until the first token (cleared by preemption)
+    row_itl_sum: Int64[Array, " R"]
+    row_num_itl: Int64[Array, " R"]
+    row_sched_delay: Int64[Array, " R"]
     row_nblocks: Int32[Array, " R"]
     row_blocks: Int32[Array, "R B"]
 
@@ -138,6 +151,7 @@ def init_state(
     has_dl = req.valid & (req.deadline > 0) & (req.deadline <= horizon)
     dl_t = jnp.where(has_dl, req.deadline, INF_TIME)
     deadline_order = jnp.lexsort((enq_rank, dl_t)).astype(jnp.int32)
+    w = dims.window
     i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
     i64 = lambda v: jnp.asarray(v, jnp.int64)  # noqa: E731
     k = dims.kv_blocks
@@ -149,25 +163,31 @@ def init_state(
         enq_pos=i32(0),
         dl_pos=i32(0),
         enqueue_order=enqueue_order,
+        enqueue_rank=enq_rank,
         enqueue_time=enq_t,
         deadline_order=deadline_order,
         num_deadlines=jnp.sum(has_dl).astype(jnp.int32),
-        status=jnp.zeros(n, jnp.int32),
-        ttft=jnp.full(n, -1, jnp.int64),
-        e2e=jnp.full(n, -1, jnp.int64),
-        itl_sum=jnp.zeros(n, jnp.int64),
-        num_itl=jnp.zeros(n, jnp.int64),
-        sched_delay=jnp.full(n, -1, jnp.int64),
-        output_tokens=jnp.zeros(n, jnp.int64),
-        row_of=jnp.full(n, -1, jnp.int32),
-        itl_samples=jnp.zeros(dims.itl_samples, jnp.int64),
+        win_status=jnp.zeros(w, jnp.int32),
+        win_row=jnp.full(w, -1, jnp.int32),
+        out_status=jnp.zeros(n, jnp.int32),
+        out_ttft=jnp.full(n, -1, jnp.int64),
+        out_e2e=jnp.full(n, -1, jnp.int64),
+        out_itl_sum=jnp.zeros(n, jnp.int64),
+        out_num_itl=jnp.zeros(n, jnp.int64),
+        out_sched_delay=jnp.full(n, -1, jnp.int64),
+        out_output_tokens=jnp.zeros(n, jnp.int64),
+        itl_samples=jnp.zeros(dims.itl_samples, jnp.int32),
+        finished=i64(0),
         row_req=jnp.full(r, -1, jnp.int32),
         row_state=jnp.zeros(r, jnp.int32),
         row_progress=jnp.zeros(r, jnp.int64),
         row_kv_tokens=jnp.zeros(r, jnp.int64),
         row_offset=jnp.zeros(r, jnp.int64),
         row_new=jnp.zeros(r, jnp.int64),
-        row_ttft_set=jnp.zeros(r, bool),
+        row_ttft=jnp.full(r, -1, jnp.int64),
+        row_itl_sum=jnp.zeros(r, jnp.int64),
+        row_num_itl=jnp.zeros(r, jnp.int64),
+        row_sched_delay=jnp.full(r, -1, jnp.int64),
         row_nblocks=jnp.zeros(r, jnp.int32),
         row_blocks=jnp.full((r, dims.blocks_per_request), -1, jnp.int32),
         batch_rows=jnp.full(s, -1, jnp.int32),
@@ -200,3 +220,49 @@ def init_state(
         events=i64(0),
         result=i32(0),
     )
+
+
+
+def window_slot(state: EngineState, r):
+    """Window slot of request r (its enqueue position modulo W)."""
+    return state.enqueue_rank[r] & (state.win_status.shape[0] - 1)
+
+
+def status_of(state: EngineState, r):
+    return state.win_status[window_slot(state, r)]
+
+
+def set_status(state: EngineState, r, value, active) -> EngineState:
+    slot = jnp.where(active, window_slot(state, r), state.win_status.shape[0])
+    return dataclasses.replace(state, win_status=state.win_status.at[slot].set(value, mode="drop"))
+
+
+def row_of(state: EngineState, r):
+    return state.win_row[window_slot(state, r)]
+
+
+def set_row(state: EngineState, r, row, active) -> EngineState:
+    slot = jnp.where(active, window_slot(state, r), state.win_row.shape[0])
+    return dataclasses.replace(state, win_row=state.win_row.at[slot].set(row, mode="drop"))
+
+
+def log_exit(state: EngineState, dims: EngineDims, r, status, active, *, row=None, e2e=-1, output_tokens=0):
+    """Write a leaving request's record to the output log (its row's metrics, if it has one)."""
+    at = jnp.where(active, r, dims.num_requests)
+    upd = dict(
+        out_status=state.out_status.at[at].set(status, mode="drop"),
+        out_e2e=state.out_e2e.at[at].set(e2e, mode="drop"),
+        out_output_tokens=state.out_output_tokens.at[at].set(output_tokens, mode="drop"),
+        finished=state.finished + active,
+    )
+    if row is not None:
+        has_row = active & (row >= 0)
+        safe = jnp.maximum(row, 0)
+        at_row = jnp.where(has_row, r, dims.num_requests)
+        upd.update(
+            out_ttft=state.out_ttft.at[at_row].set(state.row_ttft[safe], mode="drop"),
+            out_itl_sum=state.out_itl_sum.at[at_row].set(state.row_itl_sum[safe], mode="drop"),
+            out_num_itl=state.out_num_itl.at[at_row].set(state.row_num_itl[safe], mode="drop"),
+            out_sched_delay=state.out_sched_delay.at[at_row].set(state.row_sched_delay[safe], mode="drop"),
+        )
+    return dataclasses.replace(state, **upd)

@@ -47,12 +47,13 @@ def push_front(state: EngineState, dims: EngineDims, req: RequestArrays, r, acti
 
 
 def _skip_gone(state: EngineState) -> EngineState:
-    def gone(pos):
-        r = state.enqueue_order[jnp.minimum(pos, state.enqueue_order.shape[0] - 1)]
-        return (pos < state.enq_pos) & (state.status[r] != QUEUED)
+    # The loop carries the whole state (unchanged but for fifo_head) rather than reading it by
+    # closure: a closure capture of `status` would make XLA copy that per-request array.
+    def gone(s):
+        slot = s.fifo_head & (s.win_status.shape[0] - 1)
+        return (s.fifo_head < s.enq_pos) & (s.win_status[slot] != QUEUED)
 
-    head = jax.lax.while_loop(gone, lambda p: p + 1, state.fifo_head)
-    return dataclasses.replace(state, fifo_head=head)
+    return jax.lax.while_loop(gone, lambda s: dataclasses.replace(s, fifo_head=s.fifo_head + 1), state)
 
 
 def head(state: EngineState, dims: EngineDims):
