@@ -33,7 +33,8 @@ class EngineDims:
     preempted_slots: int  # preempted requests waiting with their retained block tables
     kv_blocks: int  # KV block pool capacity (>= total_kv_blocks)
     blocks_per_request: int  # block-table row length
-    alloc_blocks: int  # most blocks popped by one allocation call
+    alloc_blocks: int  # most blocks popped by one whole-batch allocation
+    row_alloc_blocks: int  # most blocks popped for one request (one prefill chunk)
     free_ring: int  # released-block FIFO capacity (LRU free list)
     prefix_groups: int
     prefix_blocks: int  # shared full blocks per prefix group
@@ -77,8 +78,9 @@ def choose_dims(
     groups = int(prefix_group.max()) + 1 if n and prefix_group.max() >= 0 else 1
     shared = int((prefix_len // block_size).max()) if n else 0
     # One step allocates at most: every prefill chunk under the token budget, plus one block per
-    # running request (decode boundary or a partial first block of each chunk).
-    alloc = bucket(max_num_batched_tokens // block_size + 2 * batch + 2)
+    # running request (a decode crossing a block boundary, or the partial end of a chunk).
+    chunk_blocks = max_num_batched_tokens // block_size + 2
+    alloc = bucket(chunk_blocks + batch)
     return EngineDims(
         num_requests=bucket(n),
         batch_slots=batch,
@@ -86,6 +88,7 @@ def choose_dims(
         kv_blocks=kv,
         blocks_per_request=bucket(per_request),
         alloc_blocks=alloc,
+        row_alloc_blocks=bucket(chunk_blocks),
         free_ring=bucket(2 * kv * growth),
         prefix_groups=bucket(groups, 1),
         prefix_blocks=bucket(shared + 1, 1),

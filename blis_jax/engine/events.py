@@ -210,8 +210,10 @@ def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams,
     mml = params.max_model_len
     capped = valid & ~done & (mml > 0) & (progress >= mml - 1)
     leaving = done | capped
-    order = jnp.where(leaving, slots, dims.batch_slots)
-    order = jnp.sort(order)
+    # leaving slots in batch order, compacted to the front
+    order = jnp.full(dims.batch_slots, dims.batch_slots).at[
+        jnp.where(leaving, jnp.cumsum(leaving) - 1, dims.batch_slots)
+    ].set(slots, mode="drop")
     n_leaving = jnp.sum(leaving)
     post_us = latency.post_decode_time_us(model)
 

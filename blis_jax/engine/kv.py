@@ -88,10 +88,11 @@ def _ensure_ring_room(state: EngineState, dims: EngineDims, incoming) -> EngineS
     )
 
 
-def pop_blocks(state: EngineState, dims: EngineDims, count, total_kv_blocks):
-    """Pop `count` blocks from the free-list head. Returns (state, ids[alloc_blocks]); the
-    first `count` ids are valid. The popped blocks get refcount 1 and no content key."""
-    m = dims.alloc_blocks
+def pop_blocks(state: EngineState, dims: EngineDims, count, total_kv_blocks, max_blocks: int):
+    """Pop `count` (<= max_blocks, static) blocks from the free-list head. Returns
+    (state, ids[max_blocks]); the first `count` ids are valid. The popped blocks get
+    refcount 1 and no content key."""
+    m = max_blocks
     slot = jnp.arange(m, dtype=jnp.int64)
     count = jnp.minimum(count, m).astype(jnp.int64)
     fresh_left = total_kv_blocks - state.fresh_next.astype(jnp.int64)
@@ -190,23 +191,34 @@ def allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, rows
     kv = state.row_kv_tokens[safe_rows] - offset  # tokens held by the row's own blocks
     need = jnp.where(active, blocks_needed(dims, nblocks, kv, new_tokens), 0)
     total = jnp.sum(need)
+    # one row at a time needs at most a chunk's worth of blocks; a whole batch more
+    max_blocks = dims.alloc_blocks if len(need) > 1 else dims.row_alloc_blocks
     state = dataclasses.replace(
-        state, result=state.result | jnp.where(total > dims.alloc_blocks, results.ALLOC_OVERFLOW, 0).astype(jnp.int32)
+        state, result=state.result | jnp.where(total > max_blocks, results.ALLOC_OVERFLOW, 0).astype(jnp.int32)
     )
-    state, ids = pop_blocks(state, dims, total, total_kv_blocks)
+    state, ids = pop_blocks(state, dims, total, total_kv_blocks, max_blocks)
     new_kv = kv + jnp.where(active, new_tokens, 0)
     r = state.row_req[safe_rows]
+    last = jnp.maximum(nblocks - 1, 0)
+    last_blocks = state.row_blocks[safe_rows, last]  # read before the table is updated
 
-    # Scatter popped ids into the owners' block tables.
+    # Owner of popped block p: the number of slots whose blocks end at or before p (a histogram
+    # of the ends, cumulated; cheaper than a binary search per block).
     ends = jnp.cumsum(need)
-    p = jnp.arange(dims.alloc_blocks, dtype=jnp.int64)
-    owner = jnp.clip(jnp.searchsorted(ends, p, side="right"), 0, len(need) - 1)
+    p = jnp.arange(max_blocks, dtype=jnp.int64)
+    owner = jnp.cumsum(jnp.zeros(max_blocks, jnp.int32).at[ends].add(1, mode="drop"))
+    owner = jnp.clip(owner, 0, len(need) - 1)
     k = p - (ends[owner] - need[owner])
     live = p < total
     block_index = nblocks[owner] + k
+    # The scatter also rewrites each row's last block with its current value: that makes the
+    # update depend on the read above, so XLA orders the read first and updates in place
+    # (otherwise it copies the whole table to keep the old version alive).
+    keep_last = active & (nblocks > 0)
     row_blocks = state.row_blocks.at[
-        jnp.where(live, safe_rows[owner], dims.rows), jnp.where(live, block_index, 0)
-    ].set(ids, mode="drop")
+        jnp.concatenate([jnp.where(live, safe_rows[owner], dims.rows), jnp.where(keep_last, safe_rows, dims.rows)]),
+        jnp.concatenate([jnp.where(live, block_index, 0), last]),
+    ].set(jnp.concatenate([ids, last_blocks]), mode="drop")
     state = dataclasses.replace(
         state,
         row_blocks=row_blocks,
@@ -221,10 +233,8 @@ def allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, rows
     keyed = offset == 0
     full_new = live & keyed[owner] & ((block_index + 1) * bs <= new_kv[owner])
     state = register_full_blocks(state, dims, req, r[owner], ids, block_index, full_new)
-    last = jnp.maximum(nblocks - 1, 0)
     was_partial = active & keyed & (nblocks > 0) & (nblocks * bs > kv)
     now_full = was_partial & (nblocks * bs <= new_kv)
-    last_blocks = state.row_blocks[safe_rows, last]
     return register_full_blocks(state, dims, req, r, last_blocks, last, now_full)
 
 

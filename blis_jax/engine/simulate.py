@@ -77,11 +77,27 @@ def start(dims: EngineDims, params: EngineParams, req: RequestArrays, model) -> 
 
 
 def _body(state: EngineState, dims, params, req, model) -> EngineState:
-    kind, _ = events.next_event(state, req)
-    state = events.enqueue(state, dims, params, req, model, kind == events.ENQUEUE)
-    state = events.step(state, dims, params, req, model, kind == events.STEP)
-    state = events.timeout(state, dims, params, req, model, kind == events.TIMEOUT)
-    return dataclasses.replace(state, events=state.events + 1)
+    """One engine step, after every enqueue and timeout event that comes before it.
+
+    Enqueues and timeouts are cheap; running them in an inner loop means the (vector-heavy)
+    step logic executes once per step rather than once per event.
+    """
+
+    def before_step(s):
+        kind, time = events.next_event(s, req)
+        return (kind != events.STEP) & (time <= params.horizon_us) & ((s.result & results.GROWABLE) == 0)
+
+    def other_event(s):
+        kind, _ = events.next_event(s, req)
+        s = events.enqueue(s, dims, params, req, model, kind == events.ENQUEUE)
+        s = events.timeout(s, dims, params, req, model, kind == events.TIMEOUT)
+        return dataclasses.replace(s, events=s.events + 1)
+
+    state = jax.lax.while_loop(before_step, other_event, state)
+    kind, time = events.next_event(state, req)
+    go = (kind == events.STEP) & (time <= params.horizon_us) & ((state.result & results.GROWABLE) == 0)
+    state = events.step(state, dims, params, req, model, go)
+    return dataclasses.replace(state, events=state.events + go)
 
 
 def finished(state: EngineState, params: EngineParams, req: RequestArrays):
