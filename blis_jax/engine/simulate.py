@@ -83,9 +83,12 @@ def _body(state: EngineState, dims, params, req, model) -> EngineState:
     step logic executes once per step rather than once per event.
     """
 
+    def due(time):
+        return (time <= params.horizon_us) & (time < INF_TIME)
+
     def before_step(s):
         kind, time = events.next_event(s, req)
-        return (kind != events.STEP) & (time <= params.horizon_us) & ((s.result & results.GROWABLE) == 0)
+        return (kind != events.STEP) & due(time) & ((s.result & results.GROWABLE) == 0)
 
     def other_event(s):
         kind, _ = events.next_event(s, req)
@@ -95,7 +98,7 @@ def _body(state: EngineState, dims, params, req, model) -> EngineState:
 
     state = jax.lax.while_loop(before_step, other_event, state)
     kind, time = events.next_event(state, req)
-    go = (kind == events.STEP) & (time <= params.horizon_us) & ((state.result & results.GROWABLE) == 0)
+    go = (kind == events.STEP) & due(time) & ((state.result & results.GROWABLE) == 0)
     state = events.step(state, dims, params, req, model, go)
     return dataclasses.replace(state, events=state.events + go)
 

@@ -1,0 +1,620 @@
+"""Command-line interface: ``blis-jax run`` and ``blis-jax replay``, with BLIS's flag names.
+
+``run`` synthesises a workload (constant arrivals, clamped-Gaussian lengths, or a named
+preset) and simulates it; ``replay`` simulates the requests of a TraceV2 (header YAML + CSV).
+Both print BLIS's ``=== Simulation Metrics ===`` JSON block (plus the text sections that
+apply) on stdout and optionally write ``--metrics-path``, ``--results-path`` and a TraceV2
+``--trace-output``. Bad input ends with one ``blis-jax: error: ...`` line on stderr and exit
+code 2; diagnostics and progress never go to stdout.
+
+Flag defaults are BLIS's (spec blis-features §1.1-§1.2), except ``--model``: BLIS requires
+it, blis-jax defaults it to meta-llama/llama-3.1-8b-instruct so that a bare ``blis-jax run``
+simulates the embedded default scenario. Configuration precedence is BLIS's: an explicit
+flag wins, otherwise the model's BLIS default (hardware, TP), otherwise the hard-coded default;
+KV blocks and max-model-len are auto-derived unless given (spec §2.14).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn, TextIO
+
+from blis_jax.config import (
+    auto_kv_blocks,
+    auto_max_model_len,
+    bundled_gpu_names,
+    bundled_model_ids,
+    load_coefficients,
+    load_gpu,
+    load_model,
+)
+from blis_jax.config.coefficients import check_alpha, check_beta
+from blis_jax.engine import results as result_codes
+from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
+from blis_jax.engine.params import make_engine_params
+from blis_jax.engine.simulate import simulate_instance
+from blis_jax.errors import ConfigError
+from blis_jax.latency import build_latency_model
+from blis_jax.output import render_stdout, write_metrics_file, write_results_file
+from blis_jax.workload.distribution import (
+    DEFAULT_TIMEOUT_S,
+    OUTPUT_DEFAULT,
+    PROMPT_DEFAULT,
+    DistributionWorkload,
+    GaussianLength,
+    generate_distribution,
+)
+from blis_jax.workload.presets import PRESETS, preset_workload
+from blis_jax.workload.requests import RequestSet
+from blis_jax.workload.tracev2 import TraceHeader, read_trace, write_trace
+
+PROG = "blis-jax"
+EXIT_USAGE = 2  # bad flags or input data
+EXIT_FAILURE = 1  # the simulation itself could not finish
+
+DEFAULT_MODEL = "meta-llama/llama-3.1-8b-instruct"
+DEFAULT_HARDWARE = "H100"
+DEFAULT_TP = 1
+LATENCY_MODELS = ("trained-physics", "roofline")
+WORKLOADS = ("distribution", *PRESETS)
+LOG_LEVELS = ("trace", "debug", "info", "warn", "warning", "error", "fatal", "panic")
+# BLIS `--total-kv-blocks` default: a phantom value used only when auto-sizing fails.
+PHANTOM_KV_BLOCKS = 1_000_000
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+PROGRESS_DELAY_S = 2.0  # on a terminal, progress appears once a run has taken this long
+PROGRESS_EVENTS_PER_CHUNK = 5_000  # engine events between progress reports
+
+# BLIS `defaults.yaml` → `defaults:` (GPU, tensor_parallelism) per lower-cased model id; used
+# when --hardware / --tp are not given. Every entry of that table, not only bundled models.
+MODEL_DEFAULTS: dict[str, tuple[str, int]] = {
+    "ibm-granite/granite-3.1-8b-instruct": ("H100", 1),
+    "meta-llama/llama-3.1-8b-instruct": ("H100", 1),
+    "meta-llama/llama-3.3-70b-instruct": ("H100", 4),
+    "meta-llama/llama-4-maverick-17b-128e-instruct-fp8": ("H100", 8),
+    "codellama/codellama-34b-instruct-hf": ("H100", 2),
+    "meta-llama/llama-4-scout-17b-16e-instruct": ("H100", 4),
+    "microsoft/phi-4": ("H100", 1),
+    "mistralai/mistral-small-24b-instruct-2501": ("H100", 1),
+    "mistralai/mistral-small-3.1-24b-instruct-2503": ("H100", 1),
+    "nvidia/llama-3.1-nemotron-70b-instruct-hf": ("H100", 4),
+    "openai/gpt-oss-120b": ("H100", 4),
+    "openai/gpt-oss-20b": ("H100", 1),
+    "qwen/qwen2.5-3b-instruct": ("H100", 1),
+    "qwen/qwen3-14b": ("H100", 1),
+    "qwen/qwen2.5-7b-instruct": ("H100", 1),
+    "redhatai/llama-3.1-nemotron-70b-instruct-hf-fp8-dynamic": ("H100", 2),
+    "redhatai/llama-3.3-70b-instruct-quantized.w4a16": ("H100", 1),
+    "redhatai/llama-3.3-70b-instruct-quantized.w8a8": ("H100", 2),
+    "redhatai/llama-4-scout-17b-16e-instruct-fp8-dynamic": ("H100", 2),
+    "redhatai/llama-4-scout-17b-16e-instruct-quantized.w4a16": ("H100", 1),
+    "redhatai/mistral-small-3.1-24b-instruct-2503-fp8-dynamic": ("H100", 1),
+    "redhatai/mistral-small-3.1-24b-instruct-2503-quantized.w4a16": ("H100", 1),
+    "redhatai/mistral-small-3.1-24b-instruct-2503-quantized.w8a8": ("H100", 1),
+    "redhatai/phi-4-fp8-dynamic": ("H100", 1),
+    "redhatai/phi-4-quantized.w4a16": ("H100", 1),
+    "redhatai/phi-4-quantized.w8a8": ("H100", 1),
+    "redhatai/qwen2.5-7b-instruct-fp8-dynamic": ("H100", 1),
+    "redhatai/qwen2.5-7b-instruct-quantized.w4a16": ("H100", 1),
+    "redhatai/qwen2.5-7b-instruct-quantized.w8a8": ("H100", 1),
+    "redhatai/smollm3-3b-fp8-dynamic": ("H100", 1),
+}
+
+
+# --------------------------------------------------------------------------------- parser
+
+
+class UsageError(Exception):
+    """An argparse error, carried to `main` so it prints one line instead of usage + exit."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self.prog, message)
+
+
+def _add_shared_flags(p: argparse.ArgumentParser) -> None:
+    """Simulation-config flags that BLIS registers on both `run` and `replay`."""
+    g = p.add_argument_group("simulation")
+    g.add_argument("--seed", type=int, default=42, help="simulation seed (default 42)")
+    g.add_argument("--horizon", type=int, default=None, metavar="US",
+                   help="simulation horizon in µs; events after it are not executed (default: none "
+                        "for run, 2 × the latest injection time for replay)")
+    g.add_argument("--log", default="warn", choices=LOG_LEVELS, metavar="LEVEL",
+                   help="stderr verbosity: warnings are printed at warn and below (default warn)")
+    g.add_argument("--num-instances", type=int, default=1, metavar="N",
+                   help="instances in the cluster; only 1 for now (clusters: issue 4)")
+    g.add_argument("--progress", action="store_true",
+                   help="print progress lines on stderr even when it is not a terminal "
+                        "(on a terminal they appear for runs longer than a few seconds)")
+
+    g = p.add_argument_group("model, hardware and latency")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="HuggingFace model id of a bundled model, or a path to a HF config.json "
+                        "(or its directory) or a blis-jax model YAML. BLIS requires --model; "
+                        f"blis-jax defaults it to {DEFAULT_MODEL} (the embedded default scenario). "
+                        f"Bundled: {', '.join(bundled_model_ids())}")
+    g.add_argument("--hardware", default=None, metavar="GPU",
+                   help=f"GPU name ({', '.join(bundled_gpu_names())}) or a GPU YAML path "
+                        f"(default: the model's BLIS default, else {DEFAULT_HARDWARE})")
+    g.add_argument("--tp", type=int, default=None,
+                   help=f"tensor-parallel degree (default: the model's BLIS default, else {DEFAULT_TP}; "
+                        "0 means default)")
+    g.add_argument("--latency-model", choices=LATENCY_MODELS, default=None,
+                   help="latency backend (default trained-physics)")
+    g.add_argument("--alpha-coeffs", default=None, metavar="A0,A1,A2",
+                   help="trained-physics alpha coefficients, comma-separated (3 values, µs); "
+                        "give together with --beta-coeffs")
+    g.add_argument("--beta-coeffs", default=None, metavar="B0,...",
+                   help="trained-physics beta coefficients, comma-separated (7 to 11 values); "
+                        "give together with --alpha-coeffs")
+    g.add_argument("--coefficients", default=None, metavar="FILE",
+                   help="blis-jax extension: coefficient YAML (keys alpha, beta; e.g. fits/*.yaml) "
+                        "for trained-physics, instead of --alpha-coeffs/--beta-coeffs")
+    g.add_argument("--max-model-len", type=int, default=0, metavar="TOKENS",
+                   help="maximum sequence length (default 0: max_position_embeddings with rope "
+                        "scaling, capped at total KV blocks × block size)")
+
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--total-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV blocks per instance (default: auto-computed from model, GPU memory, "
+                        "TP and --gpu-memory-utilization)")
+    g.add_argument("--block-size-in-tokens", type=int, default=16, metavar="N",
+                   help="tokens per KV block (default 16)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRAC",
+                   help="GPU memory fraction for weights + KV cache in auto-sizing (default 0.9)")
+
+    g = p.add_argument_group("batch formation and scheduling")
+    g.add_argument("--max-num-seqs", "--max-num-running-reqs", dest="max_num_seqs", type=int,
+                   default=256, metavar="N", help="running-batch size limit (default 256)")
+    g.add_argument("--max-num-batched-tokens", "--max-num-scheduled-tokens",
+                   dest="max_num_batched_tokens", type=int, default=2048, metavar="N",
+                   help="token budget per step (default 2048)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                   help="per-request prefill chunk cap (default 0: none)")
+    g.add_argument("--scheduler", choices=SCHEDULERS, default="fcfs",
+                   help="wait-queue order (default fcfs)")
+    g.add_argument("--preemption-policy", choices=PREEMPTION_POLICIES, default="fcfs",
+                   help="preemption victim selection (default fcfs)")
+
+    g = p.add_argument_group("outputs")
+    g.add_argument("--metrics-path", default=None, metavar="FILE",
+                   help="write the aggregate JSON (with cache_hit_rate) and per-request records")
+    g.add_argument("--results-path", default=None, metavar="FILE",
+                   help="write per-request results (completed requests) as JSON")
+    g.add_argument("--trace-output", default=None, metavar="PREFIX",
+                   help="write the simulated requests as a TraceV2: PREFIX.yaml + PREFIX.csv")
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload (run only)")
+    g.add_argument("--workload", choices=WORKLOADS, default="distribution",
+                   help="distribution (the length flags below) or a named preset (default distribution)")
+    g.add_argument("--rate", type=float, default=1.0, help="arrival rate, requests/s (default 1.0; "
+                   "constant inter-arrival time)")
+    g.add_argument("--num-requests", type=int, default=100, metavar="N",
+                   help="requests to generate (default 100; 0 = bounded by --horizon only)")
+    g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help="client timeout in seconds (default 300; negative disables; 0 is rejected)")
+    g.add_argument("--prefix-tokens", type=int, default=None, metavar="N",
+                   help="shared prefix tokens of every request (default 0)")
+    for kind, dist in (("prompt", PROMPT_DEFAULT), ("output", OUTPUT_DEFAULT)):
+        g.add_argument(f"--{kind}-tokens", type=float, default=None, metavar="MEAN",
+                       help=f"{kind} length mean (default {dist.mean:g})")
+        g.add_argument(f"--{kind}-tokens-stdev", type=float, default=None, metavar="STD",
+                       help=f"{kind} length standard deviation (default {dist.std:g})")
+        g.add_argument(f"--{kind}-tokens-min", type=int, default=None, metavar="N",
+                       help=f"{kind} length minimum (default {dist.min})")
+        g.add_argument(f"--{kind}-tokens-max", type=int, default=None, metavar="N",
+                       help=f"{kind} length maximum (default {dist.max})")
+
+
+def _add_replay_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("trace (replay only)")
+    g.add_argument("--trace-header", required=True, metavar="FILE", help="TraceV2 header YAML")
+    g.add_argument("--trace-data", required=True, metavar="FILE", help="TraceV2 request CSV")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, allow_abbrev=False,
+                     description="Vectorized LLM-serving simulator with BLIS's flags and outputs.")
+    from blis_jax import __version__
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,replay}", parser_class=_Parser)
+    sub.required = True
+    run = sub.add_parser("run", allow_abbrev=False, help="generate a workload and simulate it",
+                         description="Generate a workload (constant arrivals, clamped-Gaussian lengths "
+                                     "or a preset) and simulate it. With no flags: 100 requests at 1 req/s "
+                                     f"on {DEFAULT_MODEL}, H100, TP 1, trained-physics.")
+    _add_run_flags(run)
+    _add_shared_flags(run)
+    replay = sub.add_parser("replay", allow_abbrev=False, help="simulate the requests of a TraceV2",
+                            description="Simulate the requests of a TraceV2 trace (header YAML + CSV).")
+    _add_replay_flags(replay)
+    _add_shared_flags(replay)
+    return parser
+
+
+# ---------------------------------------------------------------------------- diagnostics
+
+
+@dataclasses.dataclass
+class Diagnostics:
+    """stderr output: warnings (suppressed above --log warn) and progress lines."""
+
+    stream: TextIO
+    level: str = "warn"
+
+    def warn(self, message: str) -> None:
+        if self.level in ("trace", "debug", "info", "warn", "warning"):
+            self.stream.write(f"{PROG}: warning: {_one_line(message)}\n")
+            self.stream.flush()
+
+
+class ProgressReporter:
+    """Engine progress callback: `done/total requests, simulated s, wall s` on stderr.
+
+    On a terminal the line is rewritten in place and appears only once the run has taken
+    `PROGRESS_DELAY_S`; with `--progress` on a non-terminal every report is its own line.
+    """
+
+    def __init__(self, stream: TextIO, tty: bool) -> None:
+        self.stream, self.tty = stream, tty
+        self.start = time.monotonic()
+        self.printed = False
+
+    def __call__(self, done: int, total: int, sim_time_us: int) -> None:
+        wall = time.monotonic() - self.start
+        if self.tty and wall < PROGRESS_DELAY_S:
+            return
+        line = (f"{PROG}: progress: {done}/{total} requests finished, "
+                f"simulated {sim_time_us / 1e6:.1f} s, wall {wall:.1f} s")
+        self.stream.write(f"\r{line}\x1b[K" if self.tty else line + "\n")
+        self.stream.flush()
+        self.printed = True
+
+    def close(self) -> None:
+        if self.tty and self.printed:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _one_line(message: str) -> str:
+    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """Everything but the requests: the resolved configuration of one simulation."""
+
+    latency_model: object
+    model_id: str
+    hardware: str
+    tp: int
+    latency_kind: str
+    total_kv_blocks: int
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int
+    scheduler: str
+    preemption_policy: str
+    horizon_us: int | None
+
+
+def parse_coefficients(flag: str, text: str) -> tuple[float, ...]:
+    """A comma-separated list of finite numbers; the error names the flag and position."""
+    values = []
+    for i, part in enumerate(text.split(",")):
+        part = part.strip()
+        try:
+            value = float(part)
+        except ValueError:
+            raise ConfigError(f"{flag}: value {i + 1} ({part!r}) is not a number; give a "
+                              "comma-separated list such as 15563.2,777.35,45.91") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"{flag}: value {i + 1} is {part}; coefficients must be finite numbers")
+        values.append(value)
+    return tuple(values)
+
+
+def _latency_coefficients(args) -> tuple[str, tuple | None, tuple | None]:
+    """(kind, alpha, beta) from --latency-model, --alpha/--beta-coeffs and --coefficients."""
+    given_alpha, given_beta = args.alpha_coeffs is not None, args.beta_coeffs is not None
+    if given_alpha != given_beta:
+        missing = "--beta-coeffs" if given_alpha else "--alpha-coeffs"
+        present = "--alpha-coeffs" if given_alpha else "--beta-coeffs"
+        raise ConfigError(f"{present} needs {missing} too: give both coefficient lists or neither")
+    if args.coefficients is not None and given_alpha:
+        raise ConfigError("--coefficients and --alpha-coeffs/--beta-coeffs both set; use one source")
+    kind = args.latency_model or "trained-physics"
+    if kind == "roofline" and (given_beta or args.coefficients is not None):
+        flag = "--beta-coeffs" if given_beta else "--coefficients"
+        raise ConfigError(f"{flag} is for trained-physics only, but --latency-model is roofline; "
+                          "drop it or use --latency-model trained-physics")
+    if given_alpha:
+        alpha = parse_coefficients("--alpha-coeffs", args.alpha_coeffs)
+        beta = parse_coefficients("--beta-coeffs", args.beta_coeffs)
+        for flag, check, values in (("--alpha-coeffs", check_alpha, alpha), ("--beta-coeffs", check_beta, beta)):
+            try:
+                check(values)
+            except ConfigError as e:
+                raise ConfigError(f"{flag}: {e}") from None
+        return kind, alpha, beta
+    if args.coefficients is not None:
+        coeffs = load_coefficients(args.coefficients)
+        return kind, coeffs.alpha, coeffs.beta
+    return kind, None, None
+
+
+def _hardware_and_tp(args, hf_id: str) -> tuple[str, int]:
+    defaults = MODEL_DEFAULTS.get(hf_id.lower()) or MODEL_DEFAULTS.get(str(args.model).lower())
+    hardware = args.hardware or (defaults[0] if defaults else DEFAULT_HARDWARE)
+    if args.tp is not None and args.tp < 0:
+        raise ConfigError(f"--tp {args.tp}: the tensor-parallel degree must be >= 1 (0 = model default)")
+    tp = args.tp if args.tp else (defaults[1] if defaults else DEFAULT_TP)
+    return hardware, tp
+
+
+def _kv_blocks(args, arch, gpu, tp: int, diag: Diagnostics) -> int:
+    if args.total_kv_blocks is not None:
+        if args.total_kv_blocks < 1:
+            raise ConfigError(f"--total-kv-blocks {args.total_kv_blocks}: must be >= 1 "
+                              "(omit it to auto-size from GPU memory)")
+        return args.total_kv_blocks
+    try:
+        return auto_kv_blocks(arch, gpu, tp, gpu_memory_utilization=args.gpu_memory_utilization,
+                              block_size=args.block_size_in_tokens)
+    except ConfigError as e:
+        # BLIS: an over-committed GPU is fatal; any other auto-sizing failure falls back to
+        # the phantom --total-kv-blocks default with a warning.
+        if "do not fit" in str(e) or "divisible" in str(e):
+            raise
+        diag.warn(f"KV blocks could not be auto-computed ({e}); using --total-kv-blocks "
+                  f"{PHANTOM_KV_BLOCKS}. Pass --total-kv-blocks to set it")
+        return PHANTOM_KV_BLOCKS
+
+
+def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> Scenario:
+    """Validate the shared flags and build the latency model and engine limits."""
+    if args.num_instances != 1:
+        if args.num_instances < 1:
+            raise ConfigError(f"--num-instances {args.num_instances}: must be >= 1")
+        raise ConfigError(f"--num-instances {args.num_instances}: clusters are not implemented yet "
+                          "(issue 4); use --num-instances 1")
+    if not INT64_MIN <= args.seed <= INT64_MAX:
+        raise ConfigError(f"--seed {args.seed}: must fit in a signed 64-bit integer")
+    if args.horizon is not None and args.horizon <= 0:
+        raise ConfigError(f"--horizon {args.horizon}: must be > 0 µs (omit it for no horizon)")
+    if args.block_size_in_tokens < 1:
+        raise ConfigError(f"--block-size-in-tokens {args.block_size_in_tokens}: must be >= 1")
+    util = args.gpu_memory_utilization
+    if not (math.isfinite(util) and 0.0 < util <= 1.0):
+        raise ConfigError(f"--gpu-memory-utilization {util}: must be in (0, 1], e.g. 0.9")
+    if args.max_model_len < 0:
+        raise ConfigError(f"--max-model-len {args.max_model_len}: must be >= 0 (0 = auto)")
+
+    kind, alpha, beta = _latency_coefficients(args)
+    arch = load_model(args.model)  # ids are matched case-insensitively, as BLIS lower-cases them
+    hardware, tp = _hardware_and_tp(args, arch.hf_id)
+    gpu = load_gpu(hardware)
+    try:
+        latency_model = build_latency_model(kind, arch, gpu, tp, alpha=alpha, beta=beta)
+    except ConfigError as e:
+        raise ConfigError(f"--latency-model {kind}: {e}") from None
+
+    block = args.block_size_in_tokens
+    blocks = _kv_blocks(args, arch, gpu, tp, diag)
+    if args.max_model_len > 0:
+        max_model_len = args.max_model_len
+        needed = -(-max_model_len // block)
+        if needed > blocks:
+            raise ConfigError(f"--max-model-len {max_model_len} needs {needed} KV blocks of {block} "
+                              f"tokens but the instance has {blocks}; lower --max-model-len or raise "
+                              "--total-kv-blocks")
+    else:
+        max_model_len = auto_max_model_len(arch, blocks, block)
+    return Scenario(
+        latency_model=latency_model, model_id=arch.hf_id, hardware=gpu.name, tp=tp,
+        latency_kind=kind, total_kv_blocks=blocks, max_model_len=max_model_len, block_size=block,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        scheduler=args.scheduler, preemption_policy=args.preemption_policy, horizon_us=horizon_us,
+    )
+
+
+def _check_output_paths(args) -> None:
+    """Fail before simulating when an output cannot be written."""
+    for flag, value in (("--metrics-path", args.metrics_path), ("--results-path", args.results_path),
+                        ("--trace-output", args.trace_output)):
+        if value is None:
+            continue
+        if value == "":
+            raise ConfigError(f"{flag}: empty path; give a file name or omit the flag")
+        parent = Path(value).parent
+        if not parent.is_dir():
+            raise ConfigError(f"{flag} {value}: directory {str(parent)!r} does not exist; create it first")
+
+
+# ------------------------------------------------------------------------------ workloads
+
+
+def run_workload(args, diag: Diagnostics) -> DistributionWorkload:
+    """The DistributionWorkload of `run`'s flags (distribution mode or a preset)."""
+    length_flags = {
+        "prompt": (args.prompt_tokens, args.prompt_tokens_stdev, args.prompt_tokens_min, args.prompt_tokens_max),
+        "output": (args.output_tokens, args.output_tokens_stdev, args.output_tokens_min, args.output_tokens_max),
+    }
+    if args.workload != "distribution":
+        explicit = [f"--{kind}-tokens*" for kind, values in length_flags.items() if any(v is not None for v in values)]
+        if args.prefix_tokens is not None:
+            explicit.append("--prefix-tokens")
+        if explicit:
+            diag.warn(f"--workload {args.workload}: the preset sets the lengths; "
+                      f"{', '.join(explicit)} ignored")
+        return preset_workload(args.workload, rate=args.rate, num_requests=args.num_requests,
+                               timeout_s=args.timeout, horizon_us=args.horizon)
+    dists = {}
+    for kind, default in (("prompt", PROMPT_DEFAULT), ("output", OUTPUT_DEFAULT)):
+        mean, std, lo, hi = length_flags[kind]
+        dist = GaussianLength(mean=default.mean if mean is None else mean,
+                              std=default.std if std is None else std,
+                              min=default.min if lo is None else lo,
+                              max=default.max if hi is None else hi)
+        if not math.isfinite(dist.mean) or dist.mean < 0:
+            raise ConfigError(f"--{kind}-tokens {dist.mean:g}: the mean length must be a number >= 0")
+        dists[kind] = dist
+    return DistributionWorkload(rate=args.rate, num_requests=args.num_requests, prompt=dists["prompt"],
+                                output=dists["output"],
+                                prefix_tokens=0 if args.prefix_tokens is None else args.prefix_tokens,
+                                timeout_s=args.timeout, horizon_us=args.horizon)
+
+
+def replay_horizon(args, requests: RequestSet) -> int | None:
+    """Explicit --horizon, else BLIS's replay default: 2 × the latest injection time
+    (no horizon when every request is injected at time 0)."""
+    if args.horizon is not None:
+        return args.horizon
+    latest = int(requests.arrival_us.max()) if len(requests) else 0
+    return 2 * latest if latest > 0 else None
+
+
+# ------------------------------------------------------------------------------- commands
+
+
+def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO):
+    """Run the engine, with a progress reporter when stderr is a terminal or --progress."""
+    params = make_engine_params(
+        max_num_seqs=scenario.max_num_seqs,
+        max_num_batched_tokens=scenario.max_num_batched_tokens,
+        long_prefill_token_threshold=scenario.long_prefill_token_threshold,
+        max_model_len=scenario.max_model_len,
+        total_kv_blocks=scenario.total_kv_blocks,
+        horizon_us=scenario.horizon_us,
+    )
+    tty = bool(getattr(stderr, "isatty", lambda: False)())
+    reporter = ProgressReporter(stderr, tty) if (tty or args.progress) else None
+    extra = {"progress": reporter, "events_per_chunk": PROGRESS_EVENTS_PER_CHUNK} if reporter else {}
+    try:
+        out = simulate_instance(requests, params, scenario.latency_model, block_size=scenario.block_size,
+                                scheduler=scenario.scheduler, preemption_policy=scenario.preemption_policy,
+                                **extra)
+    finally:
+        if reporter is not None:
+            reporter.close()
+    if out.result != result_codes.OK:
+        raise SimulationFailed(f"the engine stopped early ({result_codes.describe(out.result)}: an "
+                               "internal buffer overflowed); the outputs would be incomplete, so none "
+                               "were written. Please report this with the command line")
+    return out
+
+
+class SimulationFailed(RuntimeError):
+    """The engine could not complete the run (not a user-input problem)."""
+
+
+def write_outputs(args, requests: RequestSet, out, header: TraceHeader, stdout: TextIO,
+                  goodput_targets=None) -> None:
+    stdout.write(render_stdout(out, requests, scheduler=args.scheduler, goodput_targets=goodput_targets))
+    stdout.flush()
+    if args.metrics_path:
+        write_metrics_file(args.metrics_path, out, requests, goodput_targets)
+    if args.results_path:
+        write_results_file(args.results_path, out, requests)
+    if args.trace_output:
+        write_trace(args.trace_output, header, requests, out)
+
+
+def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    _check_output_paths(args)
+    workload = run_workload(args, diag)
+    scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
+    requests = generate_distribution(workload, args.seed)
+    if len(requests) == 0:
+        raise ConfigError("no requests to simulate: --horizon is shorter than one inter-arrival time "
+                          "(1/--rate); raise --horizon or --rate")
+    out = simulate(scenario, requests, args, stderr)
+    header = TraceHeader(mode="generated", workload_seed=args.seed)
+    write_outputs(args, requests, out, header, stdout)
+    return 0
+
+
+def cmd_replay(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    _check_output_paths(args)
+    header, requests = read_trace(args.trace_header, args.trace_data)
+    if len(requests) == 0:
+        raise ConfigError(f"--trace-data {args.trace_data}: no request records; the CSV has only a header row")
+    scenario = resolve_scenario(args, diag, horizon_us=replay_horizon(args, requests))
+    out = simulate(scenario, requests, args, stderr)
+    replayed = dataclasses.replace(header, mode="replayed")
+    write_outputs(args, requests, out, replayed, stdout, goodput_targets=header.goodput_slo_targets)
+    return 0
+
+
+COMMANDS: dict[str, Callable] = {"run": cmd_run, "replay": cmd_replay}
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
+         stderr: TextIO | None = None) -> int:
+    """Entry point of `blis-jax` / `python -m blis_jax`. Returns the exit code (0 success,
+    2 bad flags or input, 1 the engine could not finish)."""
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except UsageError as e:
+        stderr.write(f"{e.prog}: error: {_one_line(str(e))} (see {e.prog} --help)\n")
+        return EXIT_USAGE
+    except SystemExit as e:  # --help / --version
+        return int(e.code or 0)
+    diag = Diagnostics(stderr, level=args.log)
+    try:
+        return COMMANDS[args.command](args, stdout, stderr, diag)
+    except ConfigError as e:
+        stderr.write(f"{PROG} {args.command}: error: {_one_line(str(e))}\n")
+        return EXIT_USAGE
+    except BrokenPipeError:  # e.g. `blis-jax run | head`: the reader left, nothing to report
+        _silence_stdout()
+        return EXIT_FAILURE
+    except OSError as e:
+        where = f" {e.filename}" if e.filename else ""
+        stderr.write(f"{PROG} {args.command}: error:{where}: {e.strerror or e}\n")
+        return EXIT_USAGE
+    except SimulationFailed as e:
+        stderr.write(f"{PROG} {args.command}: error: {_one_line(str(e))}\n")
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        stderr.write(f"\n{PROG} {args.command}: interrupted\n")
+        return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def console_main() -> NoReturn:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    console_main()

@@ -1,0 +1,255 @@
+"""Arrival processes of the workload spec (spec §4.4) and the keyed variates they draw from.
+
+Every random number in the workload layer is *keyed*: variate i of a stream is drawn from
+`fold_in(fold_in(stream_key, i), draw)`, never from a sequential generator. So a request's
+draws depend only on (seed, client, stream, request index) — generating more requests, or
+generating them in other chunk sizes, cannot change earlier ones. `lengths.py` shares the
+primitives below.
+
+Inter-arrival times (IATs) are integer µs, at least 1. Rates are req/s; λ = rate/10⁶ per µs,
+floored at 10⁻¹⁵ as in BLIS.
+
+* `poisson`:  ⌊Exp(1)/λ⌋
+* `constant`: ⌊1/λ⌋ every time (computed through λ, exactly as the CLI workload)
+* `gamma`:    explicit `shape`/`scale` (µs) when both > 0 — the rate is then ignored — else
+  shape = 1/CV², scale = CV²/λ; shape < 0.01 falls back to Poisson. Marsaglia–Tsang sampling
+  on keyed normals and uniforms (`keyed_gamma`), with the u^{1/α} boost for α < 1.
+* `weibull`:  explicit shape/scale, or k from CV by bisection on
+  CV(k) = √(Γ(1+2/k)/Γ(1+1/k)² − 1) over [0.1, 100] (tolerance 10⁻³), scale = (1/λ)/Γ(1+1/k);
+  sample scale·(−ln u)^{1/k}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blis_jax.errors import ConfigError
+from blis_jax.workload.distribution import constant_iat_us
+
+ARRIVAL_PROCESSES = ("poisson", "gamma", "weibull", "constant")
+WEIBULL_CV_RANGE = (0.01, 10.4)
+WEIBULL_SHAPE_BRACKET = (0.1, 100.0)
+WEIBULL_SHAPE_TOL = 1e-3
+GAMMA_MIN_SHAPE = 0.01     # below this, gamma falls back to Poisson
+_MIN_RATE_PER_US = 1e-15
+
+# ------------------------------------------------------------------------ keyed variates
+
+# Every draw goes through a compiled block of one of two sizes (larger requests loop over big
+# blocks, smaller ones are padded): two compilations per process, cheap small calls (a cohort
+# member draws a handful of values), and padding cannot influence the real values because each
+# is keyed by its own index.
+_BLOCK = 8192
+_SMALL_BLOCK = 512
+_GAMMA_BOOST_DRAW = 0xFFFF   # the u^{1/α} boost of α < 1 uses its own sub-draw
+
+
+@jax.jit
+def _block_draws(key: jax.Array, ids: jax.Array, draw: jax.Array) -> tuple[jax.Array, jax.Array]:
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(key, i), draw))(ids)
+    # 1 − U[0,1) lies in (0, 1]: safe for log and for negative powers.
+    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float64))(keys)
+    z = jax.vmap(lambda k: jax.random.normal(k, dtype=jnp.float64))(keys)
+    return u, z
+
+
+def _draws(key: jax.Array, idx, draw: int, which: int) -> np.ndarray:
+    arr = np.asarray(idx, dtype=np.int64).reshape(-1)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.float64)
+    if arr.min() < 0 or arr.max() >= 2**32:
+        raise ConfigError(f"keyed draw: request index {int(arr.max())} outside the 32-bit index space; "
+                          "generate fewer requests per client")
+    out = np.empty(arr.size, dtype=np.float64)
+    for lo in range(0, arr.size, _BLOCK):
+        chunk = arr[lo:lo + _BLOCK]
+        ids = np.zeros(_SMALL_BLOCK if chunk.size <= _SMALL_BLOCK else _BLOCK, dtype=np.uint32)
+        ids[:chunk.size] = chunk
+        values = _block_draws(key, jnp.asarray(ids), jnp.uint32(draw))[which]
+        out[lo:lo + chunk.size] = np.asarray(values)[:chunk.size]
+    return out
+
+
+_fold_in = jax.jit(jax.random.fold_in)
+
+
+def fold(key: jax.Array, data: int) -> jax.Array:
+    """`jax.random.fold_in(key, data)` through a compiled call (eager fold_in costs ~0.3 ms)."""
+    return _fold_in(key, np.uint32(data))
+
+
+def keyed_uniform(key: jax.Array, idx, draw: int = 0) -> np.ndarray:
+    """Uniforms in (0, 1]: element i from `fold_in(fold_in(key, idx[i]), draw)`."""
+    return _draws(key, idx, draw, 0)
+
+
+def keyed_normal(key: jax.Array, idx, draw: int = 0) -> np.ndarray:
+    """Standard normals, keyed like `keyed_uniform`."""
+    return _draws(key, idx, draw, 1)
+
+
+def keyed_gamma(key: jax.Array, idx, alpha: float, draw: int = 0) -> np.ndarray:
+    """Standard Gamma(alpha, 1) variates by Marsaglia–Tsang, keyed like `keyed_uniform`.
+
+    Attempt j of element i uses sub-draws (draw·2¹⁶ + 2j) for the normal and (… + 2j + 1) for
+    the uniform, so an element's value never depends on which others were rejected. α < 1
+    samples Gamma(α+1) and multiplies by u^{1/α}.
+    """
+    idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+    a = alpha + 1.0 if alpha < 1.0 else alpha
+    d = a - 1.0 / 3.0
+    c = 1.0 / math.sqrt(9.0 * d)
+    out = np.empty(idx.size, dtype=np.float64)
+    pending = np.arange(idx.size)
+    base = draw << 16
+    attempt = 0
+    while pending.size:
+        if 2 * attempt + 1 >= _GAMMA_BOOST_DRAW:
+            raise AssertionError("Marsaglia–Tsang did not accept after 32k attempts")
+        z = keyed_normal(key, idx[pending], base + 2 * attempt)
+        u = keyed_uniform(key, idx[pending], base + 2 * attempt + 1)
+        v = (1.0 + c * z) ** 3
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ok = (v > 0) & (np.log(u) < 0.5 * z * z + d - d * v + d * np.log(np.where(v > 0, v, 1.0)))
+        out[pending[ok]] = d * v[ok]
+        pending = pending[~ok]
+        attempt += 1
+    if alpha < 1.0:
+        out *= keyed_uniform(key, idx, base + _GAMMA_BOOST_DRAW) ** (1.0 / alpha)
+    return out
+
+
+def index_range(start: int, n: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------- Weibull
+
+
+def weibull_cv(shape: float) -> float:
+    """Coefficient of variation of a Weibull distribution with shape k."""
+    g1 = math.lgamma(1.0 + 1.0 / shape)
+    g2 = math.lgamma(1.0 + 2.0 / shape)
+    return math.sqrt(max(math.exp(g2 - 2.0 * g1) - 1.0, 0.0))
+
+
+def weibull_shape_for_cv(cv: float) -> float:
+    """Shape k with CV(k) = cv, by bisection over [0.1, 100] to a width of 10⁻³ (BLIS)."""
+    lo, hi = WEIBULL_SHAPE_BRACKET
+    while hi - lo > WEIBULL_SHAPE_TOL:
+        mid = 0.5 * (lo + hi)
+        if weibull_cv(mid) > cv:   # CV falls as k grows
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+# ----------------------------------------------------------------------- the processes
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrivalProcess:
+    """A resolved arrival process: kind plus its numbers in µs.
+
+    `kind` is the sampling law actually used (a gamma with shape < 0.01 is `poisson`).
+    `shape`/`scale_us` parametrise gamma and Weibull; `mean_iat_us` is the continuous mean.
+    """
+
+    kind: str
+    mean_iat_us: float
+    shape: float = 1.0
+    scale_us: float = 0.0
+
+    def continuous_iats(self, key: jax.Array, idx) -> np.ndarray:
+        """IATs (µs, float64, before flooring) of the arrivals with indices `idx`."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if self.kind == "constant":
+            return np.full(idx.shape, self.mean_iat_us, dtype=np.float64)
+        if self.kind == "poisson":
+            return -np.log(keyed_uniform(key, idx)) * self.mean_iat_us
+        if self.kind == "gamma":
+            return keyed_gamma(key, idx, self.shape) * self.scale_us
+        if self.kind == "weibull":
+            return self.scale_us * (-np.log(keyed_uniform(key, idx))) ** (1.0 / self.shape)
+        raise AssertionError(self.kind)
+
+    def iats_us(self, key: jax.Array, idx) -> np.ndarray:
+        """Integer IATs (µs, ≥ 1) of the arrivals with indices `idx`."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if self.kind == "constant":
+            return np.full(idx.shape, max(1, int(self.mean_iat_us)), dtype=np.int64)
+        x = np.floor(self.continuous_iats(key, idx))
+        return np.maximum(np.minimum(x, 2.0**62), 1.0).astype(np.int64)
+
+
+def rate_per_us(rate: float) -> float:
+    return max(rate / 1e6, _MIN_RATE_PER_US)
+
+
+def check_arrival(process: str, cv: float | None, shape: float | None, scale: float | None, path: str) -> None:
+    """Raise ConfigError (naming `path`.key) for an impossible arrival spec."""
+    if process not in ARRIVAL_PROCESSES:
+        raise ConfigError(f"{path}.process: {process!r} is not an arrival process; use one of "
+                          f"{', '.join(ARRIVAL_PROCESSES)}")
+    for name, value in (("cv", cv), ("shape", shape), ("scale", scale)):
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise ConfigError(f"{path}.{name}: {value!r} must be a finite number ≥ 0")
+    if cv is not None and cv == 0 and process in ("gamma", "weibull"):
+        raise ConfigError(f"{path}.cv: 0 is not a valid coefficient of variation; use cv > 0, or "
+                          "process: constant for evenly spaced arrivals")
+    explicit = (shape or 0) > 0 and (scale or 0) > 0
+    if process == "weibull" and not explicit:
+        c = 1.0 if cv is None else cv
+        lo, hi = WEIBULL_CV_RANGE
+        if not lo <= c <= hi:
+            raise ConfigError(f"{path}.cv: {c} must be in [{lo}, {hi}] for weibull (the shape bisection "
+                              "only reaches that range); or give both shape and scale")
+
+
+def make_arrival(process: str, rate: float, *, cv: float | None = None, shape: float | None = None,
+                 scale: float | None = None, path: str = "arrival") -> ArrivalProcess:
+    """Resolve a spec arrival (`process`, `cv`, `shape`, `scale` µs) at `rate` req/s."""
+    check_arrival(process, cv, shape, scale, path)
+    mean = 1.0 / rate_per_us(rate)
+    explicit = (shape or 0) > 0 and (scale or 0) > 0
+    if process == "constant":
+        return ArrivalProcess("constant", float(constant_iat_us(rate)))
+    if process == "poisson":
+        return ArrivalProcess("poisson", mean)
+    if process == "gamma":
+        if explicit:
+            k, theta = float(shape), float(scale)
+        else:
+            c2 = (1.0 if cv is None else cv) ** 2
+            k, theta = 1.0 / c2, c2 * mean
+        if k < GAMMA_MIN_SHAPE:
+            return ArrivalProcess("poisson", mean)
+        return ArrivalProcess("gamma", k * theta, shape=k, scale_us=theta)
+    # weibull
+    if explicit:
+        k, lam = float(shape), float(scale)
+    else:
+        k = weibull_shape_for_cv(1.0 if cv is None else cv)
+        lam = mean / math.gamma(1.0 + 1.0 / k)
+    return ArrivalProcess("weibull", lam * math.gamma(1.0 + 1.0 / k), shape=k, scale_us=lam)
+
+
+def normalized_arrivals_us(process: ArrivalProcess, key: jax.Array, count: int, start_us: int,
+                           duration_us: int) -> np.ndarray:
+    """`count` arrivals whose sampled IATs are rescaled to span [start, start+duration] exactly.
+
+    Used for per-window generation (spec §4.6) and inference-perf's normalized-exponential
+    sampler (§4.4): the last arrival lands on the window end.
+    """
+    if count <= 0:
+        return np.zeros(0, dtype=np.int64)
+    iats = np.maximum(process.continuous_iats(key, index_range(0, count)), 1e-9)
+    cum = np.cumsum(iats)
+    offsets = np.floor(cum * (duration_us / cum[-1]))
+    return start_us + np.minimum(offsets, duration_us).astype(np.int64)
