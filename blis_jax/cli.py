@@ -202,9 +202,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="distribution (the length flags below) or a named preset (default distribution)")
     g.add_argument("--rate", type=float, default=1.0, help="arrival rate, requests/s (default 1.0; "
                    "constant inter-arrival time)")
-    g.add_argument("--num-requests", type=int, default=100, metavar="N",
+    g.add_argument("--workload-spec", default=None, metavar="FILE",
+                   help="workload spec v2 YAML (overrides --workload; --seed, --horizon and --num-requests "
+                        "override the spec; --timeout applies only when given)")
+    g.add_argument("--num-requests", type=int, default=None, metavar="N",
                    help="requests to generate (default 100; 0 = bounded by --horizon only)")
-    g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+    g.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="client timeout in seconds (default 300; negative disables; 0 is rejected)")
     g.add_argument("--prefix-tokens", type=int, default=None, metavar="N",
                    help="shared prefix tokens of every request (default 0)")
@@ -455,6 +458,8 @@ def _check_output_paths(args) -> None:
 
 def run_workload(args, diag: Diagnostics) -> DistributionWorkload:
     """The DistributionWorkload of `run`'s flags (distribution mode or a preset)."""
+    args = argparse.Namespace(**{**vars(args), "num_requests": 100 if args.num_requests is None else args.num_requests,
+                                 "timeout": DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout})
     length_flags = {
         "prompt": (args.prompt_tokens, args.prompt_tokens_stdev, args.prompt_tokens_min, args.prompt_tokens_max),
         "output": (args.output_tokens, args.output_tokens_stdev, args.output_tokens_min, args.output_tokens_max),
@@ -541,9 +546,18 @@ def write_outputs(args, requests: RequestSet, out, header: TraceHeader, stdout: 
 
 def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     _check_output_paths(args)
-    workload = run_workload(args, diag)
-    scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
-    requests = generate_distribution(workload, args.seed)
+    if args.workload_spec:
+        from blis_jax.workload.generate import generate_requests
+
+        if args.timeout is not None and args.timeout == 0:
+            raise ConfigError("--timeout 0 is not allowed: give seconds > 0, or a negative value to disable")
+        scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
+        requests = generate_requests(args.workload_spec, args.seed, num_requests=args.num_requests,
+                                     horizon_us=args.horizon, timeout_s=args.timeout)
+    else:
+        workload = run_workload(args, diag)
+        scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
+        requests = generate_distribution(workload, args.seed)
     if len(requests) == 0:
         raise ConfigError("no requests to simulate: --horizon is shorter than one inter-arrival time "
                           "(1/--rate); raise --horizon or --rate")

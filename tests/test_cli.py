@@ -335,3 +335,19 @@ def test_model_defaults_and_auto_capacity():
         ["run", "--tp", "2", "--total-kv-blocks", "100", "--latency-model", "roofline"]), diag, None)
     assert (explicit.tp, explicit.total_kv_blocks, explicit.max_model_len, explicit.latency_kind) == \
         (2, 100, 1600, "roofline")
+
+
+def test_workload_spec_run_and_bad_key(tmp_path, capsys):
+    """--workload-spec: a v2 spec drives `run` (--num-requests overrides the spec); an unknown
+    key in the spec is one error line naming it."""
+    spec = SHARED / "reference" / "blis-diff" / "C01_multiclient_poisson_gamma_weibull" / "workload.yaml"
+    if not spec.exists():
+        pytest.skip("../shared/reference/blis-diff is not beside this checkout")
+    rc, out, err = cli("run", "--workload-spec", str(spec), "--num-requests", "40", "--max-num-seqs", "256")
+    assert rc == 0, err
+    block = metrics_blocks(out)[-1]
+    assert block["injected_requests"] == 40 and block["completed_requests"] == 40
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(spec.read_text() + "\nbogus_key: 1\n")
+    rc, out, err = cli("run", "--workload-spec", str(bad))
+    _assert_one_error_line(rc, out, err, "bogus_key")
