@@ -315,7 +315,14 @@ def test_blis_aliases_and_defaults():
     args = build_parser().parse_args(["run", "--max-num-running-reqs", "8", "--max-num-scheduled-tokens", "512"])
     assert (args.max_num_seqs, args.max_num_batched_tokens) == (8, 512)
     args = build_parser().parse_args(["run"])
-    assert (args.seed, args.rate, args.num_requests, args.timeout, args.block_size_in_tokens) == (42, 1.0, 100, 300.0, 16)
+    assert (args.seed, args.rate, args.block_size_in_tokens) == (42, 1.0, 16)
+    # --num-requests / --timeout stay unset (a workload spec keeps its own values unless they are
+    # given); distribution mode resolves them to BLIS's defaults
+    assert (args.num_requests, args.timeout) == (None, None)
+    from blis_jax.cli import Diagnostics, run_workload
+
+    workload = run_workload(args, Diagnostics(io.StringIO()))
+    assert (workload.num_requests, workload.timeout_s) == (100, 300.0)
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.long_prefill_token_threshold) == (256, 2048, 0)
     assert (args.scheduler, args.preemption_policy, args.workload, args.gpu_memory_utilization) == \
         ("fcfs", "fcfs", "distribution", 0.9)
