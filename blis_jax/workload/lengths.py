@@ -17,6 +17,7 @@ never depend on how many were drawn or in which order. `sample_continuous` retur
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -51,16 +52,16 @@ def _finish(x: np.ndarray, lo: float, hi: float, floor_at: int = 1) -> np.ndarra
 
 
 @dataclasses.dataclass(frozen=True)
-class LengthDistribution:
+class LengthDistribution(abc.ABC):
     """Base of the samplers: `sample(key, idx)` → int64 tokens (≥ `floor_at`)."""
 
+    @abc.abstractmethod
     def sample_continuous(self, key: jax.Array, idx) -> np.ndarray:
         """Values of requests `idx` before rounding and bounds (float64)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def sample(self, key: jax.Array, idx, floor_at: int = 1) -> np.ndarray:
         """Integer token counts of requests `idx` (≥ `floor_at`)."""
-        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
