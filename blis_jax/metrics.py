@@ -63,14 +63,14 @@ def _sorted_percentile_ms(v: np.ndarray, p: float) -> float:
 
 def mean_ms(values_us: np.ndarray) -> float:
     """Arithmetic mean of a µs sample, in ms; 0 for an empty sample."""
-    v = np.asarray(values_us, dtype=np.int64)
+    v = np.asarray(values_us)
     if v.shape[0] == 0:
         return 0.0
-    return float(int(v.sum())) / float(v.shape[0]) / 1000.0
+    return float(int(v.sum(dtype=np.int64))) / float(v.shape[0]) / 1000.0
 
 
 def _distribution(prefix: str, values_us: np.ndarray) -> dict[str, float]:
-    ordered = np.sort(np.asarray(values_us, dtype=np.int64))  # once: ITL pools can be millions
+    ordered = np.sort(np.asarray(values_us))  # once, in the sample's own integer type: ITL pools are large
     out = {f"{prefix}_mean_ms": mean_ms(values_us)}
     out.update({f"{prefix}_p{p}_ms": _sorted_percentile_ms(ordered, p) for p in PERCENTILES})
     return out
@@ -210,7 +210,8 @@ def _latency_fields(out: SimOutput, rows: np.ndarray, done: np.ndarray) -> dict[
         return {**_distribution("e2e", empty), **_distribution("ttft", empty),
                 **_distribution("itl", empty), "scheduling_delay_p99_ms": 0.0}
     ttft = out.ttft_us[rows & (out.ttft_us >= 0)]            # includes later time-outs
-    itl = out.itl_samples[rows[out.itl_owner()]]              # pooled gaps, not per-request means
+    # pooled gaps, not per-request means (all rows: the pool itself, without an index copy)
+    itl = out.itl_samples if rows.all() else out.itl_samples[rows[out.itl_owner()]]
     sched = out.sched_delay_us[rows & (out.sched_delay_us >= 0)]
     return {**_distribution("e2e", out.e2e_us[done]), **_distribution("ttft", ttft),
             **_distribution("itl", itl), "scheduling_delay_p99_ms": percentile_ms(sched, 99)}

@@ -24,6 +24,16 @@ def bucket(n: int, minimum: int = 8) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def fine_bucket(n: int, minimum: int = 8) -> int:
+    """Smallest of 2^k, 1.25·2^k, 1.5·2^k, 1.75·2^k >= n: for big buffers, where a power-of-two
+    bucket would waste up to half the memory."""
+    p = bucket(n, minimum)
+    for fraction in (5, 6, 7):
+        if p // 8 * fraction >= n and p >= 64:
+            return p // 8 * fraction
+    return p
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineDims:
     """Hashable static shape and structure of one engine program."""
@@ -92,7 +102,7 @@ def choose_dims(
         free_ring=bucket(2 * kv * growth),
         prefix_groups=bucket(groups, 1),
         prefix_blocks=bucket(shared + 1, 1),
-        itl_samples=bucket(int(np.maximum(output_len, 1).sum()) + 1),
+        itl_samples=fine_bucket(int(np.maximum(output_len, 1).sum()) + 1),
         block_size=int(block_size),
         scheduler=scheduler,
         preemption_policy=preemption_policy,

@@ -89,7 +89,8 @@ class SimOutput:
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():
             object.__setattr__(self, name, _frozen(np.asarray(getattr(self, name)).reshape(-1), dtype))
-        object.__setattr__(self, "itl_samples", _frozen(np.asarray(self.itl_samples).reshape(-1), np.int64))
+        # int32: each sample is one step time in µs; pools reach tens of millions of samples
+        object.__setattr__(self, "itl_samples", _frozen(np.asarray(self.itl_samples).reshape(-1), np.int32))
         for name in _COUNTERS:
             object.__setattr__(self, name, _frozen(np.atleast_1d(np.asarray(getattr(self, name))), np.int64))
         object.__setattr__(self, "result", int(self.result))
