@@ -37,7 +37,9 @@ def measure(num_requests: int, rate: float) -> dict:
     params = make_engine_params(total_kv_blocks=blocks, max_model_len=auto_max_model_len(arch, blocks))
     requests = generate_distribution(DistributionWorkload(rate=rate, num_requests=num_requests), seed=42)
     times = []
+    out = None
     for _ in range(2):
+        del out  # the previous run's outputs are not part of this run's memory
         start = time.perf_counter()
         out = simulate_instance(requests, params, model)
         times.append(time.perf_counter() - start)
