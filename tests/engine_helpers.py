@@ -327,29 +327,14 @@ def run_oracle(requests: RequestSet, settings: dict, model):
 
 
 # ----------------------------------------------------------------------------- state views
-# The engine keeps mutable per-request state either in per-request arrays (`status`, `row_of`)
-# or in an in-flight window indexed by enqueue position (`win_status`, `win_row`) with an
-# output log (`out_status`) for requests that left. These views give per-request answers for
-# either layout, from a host (numpy) copy of the state.
-
-
-def _in_flight(s, n: int):
-    """(enqueue positions, window slots, requests) of window entries that are queued/running."""
-    from blis_jax.engine import state as st
-
-    w = s.win_status.shape[0]
-    enq = int(s.enq_pos)
-    pos = np.arange(max(0, enq - w), enq)
-    slot = pos & (w - 1)
-    r = np.asarray(s.enqueue_order)[pos]
-    live = (r < n) & np.isin(np.asarray(s.win_status)[slot], (st.QUEUED, st.RUNNING))
-    return pos[live], slot[live], r[live]
+# Mutable per-request state lives in an in-flight window indexed by enqueue position
+# (`win_status`, `win_row`) with an output log (`out_status`) for requests that left; these views
+# give per-request answers from a host (numpy) copy of the state.
+from blis_jax.engine.simulate import in_flight as _in_flight  # noqa: E402
 
 
 def request_status(s, n: int) -> np.ndarray:
     """Engine status code (blis_jax.engine.state) of each of the first n requests."""
-    if hasattr(s, "status"):
-        return np.asarray(s.status[:n]).copy()
     status = np.asarray(s.out_status[:n]).copy()
     _, slot, r = _in_flight(s, n)
     status[r] = np.asarray(s.win_status)[slot]
@@ -358,8 +343,6 @@ def request_status(s, n: int) -> np.ndarray:
 
 def request_rows(s, n: int) -> np.ndarray:
     """Block-table row held by each request (-1 if none)."""
-    if hasattr(s, "row_of"):
-        return np.asarray(s.row_of[:n]).copy()
     rows = np.full(n, -1, np.int64)
     _, slot, r = _in_flight(s, n)
     rows[r] = np.asarray(s.win_row)[slot]

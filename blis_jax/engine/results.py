@@ -9,8 +9,6 @@ ROWS_FULL = 1 << 0  # more preempted requests waiting than preempted_slots
 FREE_RING_FULL = 1 << 1  # released-block FIFO could not be compacted enough
 WAIT_WINDOW_FULL = 1 << 2  # priority wait window full
 ALLOC_OVERFLOW = 1 << 3  # one allocation needed more than alloc_blocks blocks
-MAX_EVENTS = 1 << 4  # event budget of this call exhausted (the driver continues)
-ITL_BUFFER_FULL = 1 << 5  # ITL sample buffer overflow (cannot happen if sized from outputs)
 WINDOW_FULL = 1 << 6  # requests in flight span more than `window` enqueue positions
 
 _NAMES = {
@@ -18,8 +16,6 @@ _NAMES = {
     FREE_RING_FULL: "free_ring_full",
     WAIT_WINDOW_FULL: "wait_window_full",
     ALLOC_OVERFLOW: "alloc_overflow",
-    MAX_EVENTS: "max_events",
-    ITL_BUFFER_FULL: "itl_buffer_full",
     WINDOW_FULL: "window_full",
 }
 

@@ -180,29 +180,18 @@ def simulate_instance(
         return to_output(state, dims, params, requests, code)
 
 
-def request_status(state: EngineState, num_requests: int) -> np.ndarray:
-    """Engine status code of every request (host side): the output log for requests that left,
-    the in-flight window for the others, PENDING for requests not yet enqueued."""
-    from blis_jax.engine import state as st
-
-    s = jax.device_get(state)
-    status = np.asarray(s.out_status[:num_requests]).copy()
-    for pos, slot, r in _in_flight(s, num_requests):
-        status[r] = s.win_status[slot]
-    return status
-
-
-def _in_flight(s, num_requests: int):
-    """(enqueue position, window slot, request) of requests still queued or running."""
+def in_flight(s, num_requests: int):
+    """(enqueue positions, window slots, requests) of requests still queued or running, from a
+    host copy `s` of the state (arrays)."""
     from blis_jax.engine import state as st
 
     w = s.win_status.shape[0]
     enq = int(s.enq_pos)
-    for pos in range(max(0, enq - w), enq):
-        slot = pos & (w - 1)
-        r = int(s.enqueue_order[pos])
-        if r < num_requests and int(s.win_status[slot]) in (st.QUEUED, st.RUNNING):
-            yield pos, slot, r
+    pos = np.arange(max(0, enq - w), enq)
+    slot = pos & (w - 1)
+    r = np.asarray(s.enqueue_order)[pos]
+    live = (r < num_requests) & np.isin(np.asarray(s.win_status)[slot], (st.QUEUED, st.RUNNING))
+    return pos[live], slot[live], r[live]
 
 
 def to_output(state: EngineState, dims: EngineDims, params: EngineParams, requests: RequestSet, code: int) -> SimOutput:
@@ -217,12 +206,12 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
     itl_sum = np.asarray(s.out_itl_sum[:n]).copy()
     num_itl = np.asarray(s.out_num_itl[:n]).copy()
     sched_delay = np.asarray(s.out_sched_delay[:n]).copy()
-    for _, slot, r in _in_flight(s, n):
-        status[r] = s.win_status[slot]
-        row = int(s.win_row[slot])
-        if row >= 0:
-            ttft[r], sched_delay[r] = s.row_ttft[row], s.row_sched_delay[row]
-            itl_sum[r], num_itl[r] = s.row_itl_sum[row], s.row_num_itl[row]
+    _, slot, r = in_flight(s, n)
+    status[r] = np.asarray(s.win_status)[slot]
+    row = np.asarray(s.win_row)[slot]
+    rr, row = r[row >= 0], row[row >= 0]
+    ttft[rr], sched_delay[rr] = np.asarray(s.row_ttft)[row], np.asarray(s.row_sched_delay)[row]
+    itl_sum[rr], num_itl[rr] = np.asarray(s.row_itl_sum)[row], np.asarray(s.row_num_itl)[row]
     output_status = np.select(
         [status == st.COMPLETED, status == st.LENGTH_CAPPED, status == st.TIMED_OUT, status == st.DROPPED,
          status == st.QUEUED, status == st.RUNNING],
