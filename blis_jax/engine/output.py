@@ -90,7 +90,8 @@ class SimOutput:
         for name, dtype in _PER_REQUEST.items():
             object.__setattr__(self, name, _frozen(np.asarray(getattr(self, name)).reshape(-1), dtype))
         # int32: each sample is one step time in µs; pools reach tens of millions of samples
-        object.__setattr__(self, "itl_samples", _frozen(np.asarray(self.itl_samples).reshape(-1), np.int32))
+        itl = np.asarray(self.itl_samples)
+        object.__setattr__(self, "itl_samples", _frozen(itl if itl.ndim == 1 else itl.reshape(-1), np.int32))
         for name in _COUNTERS:
             object.__setattr__(self, name, _frozen(np.atleast_1d(np.asarray(getattr(self, name))), np.int64))
         object.__setattr__(self, "result", int(self.result))
@@ -136,6 +137,11 @@ class SimOutput:
 
 
 def _frozen(arr: np.ndarray, dtype) -> np.ndarray:
+    # A read-only array of the right type that owns its data cannot change under us: keep it
+    # (the ITL pool can be hundreds of MB); copy anything else.
+    if (isinstance(arr, np.ndarray) and arr.dtype == dtype and not arr.flags.writeable
+            and arr.flags.owndata):
+        return arr
     out = np.array(arr, dtype=dtype, copy=True)
     out.setflags(write=False)
     return out

@@ -220,14 +220,14 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
     )
     finished_ok = (status == st.COMPLETED) | (status == st.LENGTH_CAPPED)
     offsets = np.concatenate([[0], np.cumsum(np.maximum(requests.output_len, 1))[:-1]]) if n else np.zeros(0, int)
-    # Pooled ITL samples of completed requests, in request order. Request i's samples are the
-    # first num_itl[i] entries at its offset; a boolean mask built from a difference array
-    # selects them without per-sample index arrays (tens of millions of samples at 100k).
-    take = finished_ok & (num_itl > 0)
-    edges = np.zeros(s.itl_samples.shape[0] + 1, np.int8)
-    np.add.at(edges, offsets[take], 1)
-    np.add.at(edges, offsets[take] + num_itl[take], -1)
-    itl = np.asarray(s.itl_samples)[np.cumsum(edges[:-1], dtype=np.int8) > 0]
+    # Pooled ITL samples of completed requests, in request order: request i's samples are the
+    # first num_itl[i] entries at its offset. A boolean mask selects them (no per-sample index
+    # arrays: there are tens of millions of samples at 100k requests).
+    keep = np.zeros(s.itl_samples.shape[0], bool)
+    for offset, count in zip(offsets[finished_ok].tolist(), num_itl[finished_ok].tolist()):
+        keep[offset : offset + count] = True
+    itl = np.asarray(s.itl_samples)[keep]
+    itl.setflags(write=False)  # read-only already: SimOutput keeps it without a defensive copy
     horizon = int(params.horizon_us)
     arrived = requests.arrival_us[requests.arrival_us <= horizon]
     sim_end = max(int(s.sim_end), int(arrived.max()) if len(arrived) else 0)
