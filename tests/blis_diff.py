@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-CASES_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "blis-diff"
+from shared_data import BLIS_DIFF as CASES_DIR  # noqa: E402
 
 # Instance priority, vLLM convention (lower = more urgent); blis-features.md §2.8.
 SLO_PRIORITY = {"critical": 0, "standard": 1, "": 1, "batch": 5, "sheddable": 6, "background": 7}

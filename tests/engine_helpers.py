@@ -32,7 +32,7 @@ from blis_jax.latency import build_latency_model
 from blis_jax.workload.requests import RequestSet, make_request_set
 from blis_jax.workload.tracev2 import read_trace
 
-CASES_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "blis-diff"
+from shared_data import BLIS_DIFF as CASES_DIR  # noqa: E402
 LLAMA8B = "meta-llama/Llama-3.1-8B-Instruct"
 BLOCK_SIZE = 16
 

@@ -26,11 +26,8 @@ from blis_jax.cli import (
 )
 from blis_jax.workload.tracev2 import REQUIRED_COLUMNS
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-BLIS_DIFF = SHARED / "reference" / "blis-diff"
-needs_shared = pytest.mark.skipif(
-    not BLIS_DIFF.is_dir(),
-    reason=f"BLIS reference set not found at {BLIS_DIFF} (CI checks out ../shared beside the clone)")
+from shared_data import BLIS_DIFF, SHARED  # noqa: E402
+from shared_data import needs_blis_diff as needs_shared  # noqa: E402
 
 # BLIS MetricsOutput fields of a plain single-instance run, in BLIS's order (spec §1.9).
 BLIS_FIELDS = [

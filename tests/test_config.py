@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import pytest
 import yaml
@@ -23,11 +22,8 @@ from blis_jax.config import (
 from blis_jax.config.model import MODELS_DIR, arch_to_dict
 from blis_jax.errors import ConfigError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-REF = SHARED / "reference" / "blis"
-needs_ref = pytest.mark.skipif(
-    not REF.is_dir(), reason=f"BLIS reference data not found at {REF} (../shared beside the clone)"
-)
+from shared_data import BLIS_REF as REF  # noqa: E402
+from shared_data import needs_blis_ref as needs_ref  # noqa: E402
 
 H100_FIELDS = dict(
     name="H100",

@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +15,7 @@ from blis_jax.config import (
 )
 from blis_jax.errors import ConfigError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-BLIS_DIFF = SHARED / "reference" / "blis-diff"
+from shared_data import BLIS_DIFF, needs_blis_diff  # noqa: E402
 GIB = 2**30
 
 
@@ -62,9 +60,7 @@ def _auto_cases():
     return cases
 
 
-@pytest.mark.skipif(
-    not BLIS_DIFF.is_dir(), reason=f"BLIS differential cases not found at {BLIS_DIFF}"
-)
+@needs_blis_diff
 @pytest.mark.parametrize("case", _auto_cases())
 def test_blis_diff_auto_capacity(case):
     # Every auto-sized case of the BLIS differential set: blocks and derived max-model-len.

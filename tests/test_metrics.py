@@ -54,10 +54,10 @@ from blis_jax.output import (
 from blis_jax.workload.requests import make_request_set
 from blis_jax.workload.tracev2 import read_trace
 
-BLIS_DIFF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "blis-diff"
+from shared_data import BLIS_DIFF, needs_blis_diff  # noqa: E402
 CASES = sorted(p for p in BLIS_DIFF.glob("*") if (p / "metrics.json").is_file()) if BLIS_DIFF.is_dir() else []
 PD_CASES = {"E05", "E07"}   # per-instance blocks count PD sub-requests: not modelled here
-needs_reference = pytest.mark.skipif(not CASES, reason="../shared/reference/blis-diff not present")
+needs_reference = needs_blis_diff
 _ITL_LINE = re.compile(r'^\s*"itl_(mean|p\d\d)_ms"')
 
 

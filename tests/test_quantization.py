@@ -1,7 +1,6 @@
 """Weight-precision detection chain (spec latency-models §3.3)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,10 +13,9 @@ from blis_jax.config.quantization import (
 )
 from blis_jax.errors import ConfigError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-SCOUT = (
-    SHARED / "reference/blis/model_configs/llama-4-scout-17b-16e-instruct-fp8-dynamic/config.json"
-)
+from shared_data import BLIS_REF, needs  # noqa: E402
+
+SCOUT = BLIS_REF / "model_configs/llama-4-scout-17b-16e-instruct-fp8-dynamic/config.json"
 
 BASE = {
     "num_hidden_layers": 32,
@@ -54,7 +52,7 @@ def test_quantization_config_rule(qc, expected):
     assert quantization_config_bytes(qc) == expected
 
 
-@pytest.mark.skipif(not SCOUT.is_file(), reason=f"reference configs not found at {SCOUT}")
+@needs(SCOUT, "Scout reference config")
 def test_compressed_tensors_scout_config_is_one_byte():
     config = json.loads(SCOUT.read_text())
     w, source = detect_weight_bytes(config, "some-unrelated-name")

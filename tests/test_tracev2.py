@@ -22,9 +22,9 @@ from blis_jax.workload.tracev2 import (
     write_trace,
 )
 
-BLIS_DIFF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "blis-diff"
+from shared_data import BLIS_DIFF, needs_blis_diff  # noqa: E402
 CASES = sorted(p for p in BLIS_DIFF.glob("*") if (p / "trace.csv").is_file()) if BLIS_DIFF.is_dir() else []
-needs_reference = pytest.mark.skipif(not CASES, reason="../shared/reference/blis-diff not present")
+needs_reference = needs_blis_diff
 
 
 @functools.cache

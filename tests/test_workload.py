@@ -26,8 +26,8 @@ from blis_jax.workload.distribution import (
 from blis_jax.workload.presets import PRESETS, generate_preset, preset_workload
 from blis_jax.workload.requests import RequestSet, make_request_set, slo_priority
 
-BLIS_DIFF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "blis-diff"
-needs_reference = pytest.mark.skipif(not BLIS_DIFF.is_dir(), reason="../shared/reference/blis-diff not present")
+from shared_data import BLIS_DIFF  # noqa: E402
+from shared_data import needs_blis_diff as needs_reference  # noqa: E402
 
 
 def _distribution_cases() -> list[Path]:

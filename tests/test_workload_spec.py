@@ -54,9 +54,8 @@ from blis_jax.workload.tracev2 import (
     requests_from_columns,
 )
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference"
-BLIS_DIFF = REFERENCE / "blis-diff"
-needs_reference = pytest.mark.skipif(not BLIS_DIFF.is_dir(), reason="../shared/reference/blis-diff not present")
+from shared_data import BLIS_DIFF, REFERENCE  # noqa: E402
+from shared_data import needs_blis_diff as needs_reference  # noqa: E402
 SPEC_CASES = ("C01", "C03", "C05", "C06", "D03", "D08", "E03")
 OPEN_LOOP_CASES = ("C01", "C03", "D03", "D08", "E03")
 
