@@ -44,6 +44,13 @@ def wait_ranks(requests: RequestSet, scheduler: str) -> np.ndarray:
     return rank
 
 
+def itl_offsets(output_len: np.ndarray) -> np.ndarray:
+    """Start of each request's ITL samples in the sample buffer (a request has fewer samples
+    than output tokens; at least one slot each keeps starts distinct)."""
+    sizes = np.maximum(np.asarray(output_len, np.int64), 1)
+    return np.cumsum(sizes) - sizes
+
+
 def request_arrays(requests: RequestSet, dims: EngineDims) -> RequestArrays:
     """Pad the request set to `dims.num_requests` and move it to device arrays."""
     n, cap = len(requests), dims.num_requests
@@ -55,7 +62,7 @@ def request_arrays(requests: RequestSet, dims: EngineDims) -> RequestArrays:
 
     grouped = requests.prefix_group >= 0
     shared = np.where(grouped, requests.prefix_len // dims.block_size, 0)
-    offsets = np.concatenate([[0], np.cumsum(np.maximum(requests.output_len, 1))[:-1]]) if n else np.zeros(0)
+    offsets = itl_offsets(requests.output_len)
     return RequestArrays(
         arrival=pad(requests.arrival_us, 0, np.int64),
         input_len=pad(requests.input_len, 1, np.int64),
@@ -219,7 +226,7 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
         out.NOT_ARRIVED,
     )
     finished_ok = (status == st.COMPLETED) | (status == st.LENGTH_CAPPED)
-    offsets = np.concatenate([[0], np.cumsum(np.maximum(requests.output_len, 1))[:-1]]) if n else np.zeros(0, int)
+    offsets = itl_offsets(requests.output_len)
     # Pooled ITL samples of completed requests, in request order: request i's samples are the
     # first num_itl[i] entries at its offset. A boolean mask selects them (no per-sample index
     # arrays: there are tens of millions of samples at 100k requests).
