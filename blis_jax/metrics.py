@@ -51,14 +51,17 @@ def percentile_ms(values_us: np.ndarray, p: float) -> float:
     return _sorted_percentile_ms(np.sort(np.asarray(values_us, dtype=np.int64)), p)
 
 
-def _sorted_percentile_ms(v: np.ndarray, p: float) -> float:
-    n = v.shape[0]
+def _sorted_percentile_ms(v: np.ndarray, p: float, ends: np.ndarray | None = None) -> float:
+    """Percentile of sorted values `v`; with `ends` (cumulative counts), `v[k]` stands for
+    `ends[k] - ends[k-1]` equal samples (the ITL pool's compressed form)."""
+    n = v.shape[0] if ends is None else (int(ends[-1]) if ends.shape[0] else 0)
     if n == 0:
         return 0.0
     rank = p / 100.0 * float(n - 1)
     lo, hi = math.floor(rank), math.ceil(rank)
     frac = rank - float(lo)
-    return float(v[lo]) / 1000.0 + float(v[hi] - v[lo]) * frac / 1000.0
+    v_lo, v_hi = (v[lo], v[hi]) if ends is None else v[np.searchsorted(ends, [lo, hi], side="right")]
+    return float(v_lo) / 1000.0 + float(v_hi - v_lo) * frac / 1000.0
 
 
 def mean_ms(values_us: np.ndarray) -> float:
@@ -70,9 +73,20 @@ def mean_ms(values_us: np.ndarray) -> float:
 
 
 def _distribution(prefix: str, values_us: np.ndarray) -> dict[str, float]:
-    ordered = np.sort(np.asarray(values_us))  # once, in the sample's own integer type: ITL pools are large
+    ordered = np.sort(np.asarray(values_us))
     out = {f"{prefix}_mean_ms": mean_ms(values_us)}
     out.update({f"{prefix}_p{p}_ms": _sorted_percentile_ms(ordered, p) for p in PERCENTILES})
+    return out
+
+
+def _pooled_distribution(prefix: str, values_us: np.ndarray, counts: np.ndarray) -> dict[str, float]:
+    """`_distribution` of the sample in which value k occurs counts[k] times (same figures)."""
+    order = np.argsort(values_us, kind="stable")
+    ordered, ends = np.asarray(values_us, np.int64)[order], np.cumsum(np.asarray(counts, np.int64)[order])
+    n = int(ends[-1]) if ends.shape[0] else 0
+    total = int((ordered * np.asarray(counts, np.int64)[order]).sum())
+    out = {f"{prefix}_mean_ms": float(total) / float(n) / 1000.0 if n else 0.0}
+    out.update({f"{prefix}_p{p}_ms": _sorted_percentile_ms(ordered, p, ends) for p in PERCENTILES})
     return out
 
 
@@ -210,11 +224,11 @@ def _latency_fields(out: SimOutput, rows: np.ndarray, done: np.ndarray) -> dict[
         return {**_distribution("e2e", empty), **_distribution("ttft", empty),
                 **_distribution("itl", empty), "scheduling_delay_p99_ms": 0.0}
     ttft = out.ttft_us[rows & (out.ttft_us >= 0)]            # includes later time-outs
-    # pooled gaps, not per-request means (all rows: the pool itself, without an index copy)
-    itl = out.itl_samples if rows.all() else out.itl_samples[rows[out.itl_owner()]]
+    # pooled gaps, not per-request means
+    itl_values, itl_counts = out.itl_pool(None if rows.all() else rows)
     sched = out.sched_delay_us[rows & (out.sched_delay_us >= 0)]
     return {**_distribution("e2e", out.e2e_us[done]), **_distribution("ttft", ttft),
-            **_distribution("itl", itl), "scheduling_delay_p99_ms": percentile_ms(sched, 99)}
+            **_pooled_distribution("itl", itl_values, itl_counts), "scheduling_delay_p99_ms": percentile_ms(sched, 99)}
 
 
 GOODPUT_KEYS = ("goodput_rps", "slo_attainment", "per_class")
@@ -434,6 +448,42 @@ def per_tenant_usage(out: SimOutput, requests: RequestSet) -> TenantUsage | None
     return TenantUsage(tuple(tenants), jain)
 
 
+@dataclasses.dataclass(frozen=True)
+class SessionSummary:
+    """The `=== Session Metrics ===` section: session count, TTFT of round 0 ("cold") and of
+    later rounds ("warm"), and session duration (last completion − round-0 arrival), all in µs
+    as (mean, p50, p95, p99, n)."""
+
+    sessions: int
+    ttft_cold: tuple[float, float, float, float, int]
+    ttft_warm: tuple[float, float, float, float, int]
+    duration: tuple[float, float, float, float, int]
+
+
+def session_summary(out: SimOutput, requests: RequestSet) -> SessionSummary | None:
+    """None when no request carries a session id (no section)."""
+    _check_aligned(out, requests)
+    in_session = requests.session_id != ""
+    if not in_session.any():
+        return None
+    has_ttft = in_session & (out.ttft_us >= 0)
+    done = in_session & out.completed_mask()
+    round0 = requests.round_index == 0
+    sessions, index = np.unique(requests.session_id[in_session], return_inverse=True)
+    start = np.full(len(sessions), np.iinfo(np.int64).max)
+    np.minimum.at(start, index[round0[in_session]], requests.arrival_us[in_session & round0])
+    end = np.full(len(sessions), -1, np.int64)
+    np.maximum.at(end, index[done[in_session]], (requests.arrival_us + out.e2e_us)[done])
+    ok = (end >= 0) & (start < np.iinfo(np.int64).max)
+
+    def stats(values: np.ndarray):
+        v = values.astype(np.float64)
+        return (_mean(v), _percentile(v, 50), _percentile(v, 95), _percentile(v, 99), int(v.shape[0]))
+
+    return SessionSummary(sessions=len(sessions), ttft_cold=stats(out.ttft_us[has_ttft & round0]),
+                          ttft_warm=stats(out.ttft_us[has_ttft & ~round0]), duration=stats((end - start)[ok]))
+
+
 def _mean(values: np.ndarray) -> float:
     return float(values.sum()) / values.shape[0] if values.shape[0] else 0.0
 
@@ -459,6 +509,7 @@ __all__ = [
     "AnomalyCounters",
     "ClassLatency",
     "KVCacheMetrics",
+    "SessionSummary",
     "TenantUsage",
     "anomaly_counters",
     "cache_hit_rate",
@@ -475,4 +526,5 @@ __all__ = [
     "priority_inversions",
     "request_records",
     "results_entries",
+    "session_summary",
 ]

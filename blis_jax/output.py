@@ -21,6 +21,7 @@ from blis_jax.metrics import (
     AnomalyCounters,
     ClassLatency,
     KVCacheMetrics,
+    SessionSummary,
     TenantUsage,
     anomaly_counters,
     kv_cache_metrics,
@@ -29,6 +30,7 @@ from blis_jax.metrics import (
     per_tenant_usage,
     request_records,
     results_entries,
+    session_summary,
 )
 from blis_jax.workload.requests import RequestSet
 
@@ -37,6 +39,7 @@ ANOMALY_HEADER = "=== Anomaly Counters ==="
 KV_CACHE_HEADER = "=== KV Cache Metrics ==="
 PER_SLO_HEADER = "=== Per-SLO Metrics ==="
 PER_TENANT_HEADER = "=== Per-Tenant Metrics ==="
+SESSION_HEADER = "=== Session Metrics ==="
 
 
 # ------------------------------------------------------------------------ Go-style JSON
@@ -154,14 +157,31 @@ def format_per_tenant_section(usage: TenantUsage | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_session_section(summary: SessionSummary | None) -> str:
+    if summary is None:
+        return ""
+
+    def line(label: str, st) -> str:
+        mean, p50, p95, p99 = (x / 1000.0 for x in st[:4])
+        n = st[4]
+        return f"  {label}mean={mean:.2f} p50={p50:.2f} p95={p95:.2f} p99={p99:.2f} ms (n={n})"
+
+    lines = [SESSION_HEADER, f"  Sessions: {summary.sessions}",
+             line("TTFT cold (round 0): ", summary.ttft_cold)]
+    if summary.ttft_warm[4]:
+        lines.append(line("TTFT warm (round≥1): ", summary.ttft_warm))
+    lines.append(line("Session duration:    ", summary.duration))
+    return "\n".join(lines) + "\n"
+
+
 def render_stdout(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcfs",
                   hol_blocking_events: int = 0, rejected_routing: int = 0,
                   thrashing_rate: float = 0.0,
                   goodput_targets: Mapping[str, Mapping[str, float]] | None = None,
                   extra_sections: Sequence[str] = ()) -> str:
     """The `run` / `replay` stdout: per-instance blocks (more than one instance), the cluster
-    block, then the Anomaly, KV-cache, Per-SLO and Per-Tenant sections when they apply, then
-    `extra_sections` (already formatted, e.g. Session or PD metrics, produced elsewhere)."""
+    block, then the Anomaly, KV-cache, Per-SLO, Per-Tenant and Session sections when they
+    apply, then `extra_sections` (already formatted, e.g. PD metrics, produced elsewhere)."""
     parts = []
     if out.num_instances > 1:
         parts += [format_metrics_block(metrics_output(out, requests, k)) for k in range(out.num_instances)]
@@ -172,6 +192,7 @@ def render_stdout(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcf
     parts.append(format_kv_cache_section(kv_cache_metrics(out, thrashing_rate)))
     parts.append(format_per_slo_section(per_slo_latencies(out, requests, goodput_targets)))
     parts.append(format_per_tenant_section(per_tenant_usage(out, requests)))
+    parts.append(format_session_section(session_summary(out, requests)))
     parts.extend(extra_sections)
     return "".join(parts)
 

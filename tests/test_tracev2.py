@@ -133,7 +133,7 @@ def _sim_output_from_results(case: Path, requests) -> SimOutput:
     zeros = np.zeros(1, np.int64)
     return SimOutput(status=status, ttft_us=ttft, e2e_us=e2e, itl_sum_us=itl_sum, num_itl=num_itl,
                      sched_delay_us=np.full(n, -1), output_tokens=np.zeros(n), handled_by=np.zeros(n),
-                     itl_samples=np.zeros(0), preemption_count=zeros, kv_hits=zeros, kv_misses=zeros,
+                     itl_step_us=np.zeros(0), itl_runs=np.zeros((0, 3)), preemption_count=zeros, kv_hits=zeros, kv_misses=zeros,
                      dropped_unservable=zeros, timed_out=zeros, length_capped=zeros, total_input_tokens=zeros,
                      sim_end_us=zeros, still_queued=zeros, still_running=zeros, kv_allocation_failures=zeros)
 
@@ -259,7 +259,7 @@ def test_write_without_results_and_with_unfinished_requests(tmp_path):
     zeros = np.zeros(1, np.int64)
     out = SimOutput(status=[COMPLETED, NOT_ARRIVED], ttft_us=[7, -1], e2e_us=[20, -1], itl_sum_us=[12, 0],
                     num_itl=[4, 0], sched_delay_us=[1, -1], output_tokens=[5, 0], handled_by=[0, -1],
-                    itl_samples=[3, 3, 3, 3], preemption_count=zeros, kv_hits=zeros, kv_misses=zeros,
+                    itl_step_us=[3, 3, 3, 3], itl_runs=[[0, 0, 3]], preemption_count=zeros, kv_hits=zeros, kv_misses=zeros,
                     dropped_unservable=zeros, timed_out=zeros, length_capped=zeros, total_input_tokens=zeros,
                     sim_end_us=zeros, still_queued=zeros, still_running=zeros, kv_allocation_failures=zeros)
     rows = list(csv.DictReader(format_records(r, out).splitlines()))

@@ -74,6 +74,7 @@ def _preempt(state: EngineState, dims: EngineDims, req: RequestArrays, slot, bud
         row_ttft=state.row_ttft.at[at_row].set(-1, mode="drop"),
         row_num_itl=state.row_num_itl.at[at_row].set(0, mode="drop"),
         row_itl_sum=state.row_itl_sum.at[at_row].set(0, mode="drop"),
+        row_run_first=state.row_run_first.at[at_row].set(-1, mode="drop"),
         preemptions=state.preemptions + active,
     )
     state = set_status(state, r, QUEUED, active)
@@ -87,7 +88,7 @@ def _victim_slot(state: EngineState, dims: EngineDims, req: RequestArrays):
     slots = jnp.arange(dims.batch_slots)
     r = jnp.maximum(state.row_req[jnp.maximum(state.batch_rows, 0)], 0)
     # least urgent (largest vLLM priority), then latest arrival; ties go to the later slot
-    key = req.priority[r] * (1 << 44) + req.arrival[r]
+    key = req.priority[r] * (1 << 44) + state.arrival[r]
     key = jnp.where(slots < state.batch_len, key, -1)
     return dims.batch_slots - 1 - jnp.argmax(key[::-1])
 
@@ -201,7 +202,9 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             row_ttft=state.row_ttft.at[at_row].set(-1, mode="drop"),
             row_num_itl=state.row_num_itl.at[at_row].set(0, mode="drop"),
             row_itl_sum=state.row_itl_sum.at[at_row].set(0, mode="drop"),
-            row_sched_delay=state.row_sched_delay.at[at_row].set(state.now - req.arrival[r], mode="drop"),
+            row_sched_delay=state.row_sched_delay.at[at_row].set(state.now - state.arrival[r], mode="drop"),
+            row_admit_step=state.row_admit_step.at[at_row].set(state.steps, mode="drop"),
+            row_run_first=state.row_run_first.at[at_row].set(-1, mode="drop"),
             result=state.result | jnp.where(no_row, results.ROWS_FULL, 0).astype(jnp.int32),
         )
         state = kv.allocate_rows(state, dims, req, row[None], n[None], admit[None], params.total_kv_blocks)

@@ -48,8 +48,10 @@ class EngineDims:
     free_ring: int  # released-block FIFO capacity (LRU free list)
     prefix_groups: int
     prefix_blocks: int  # shared full blocks per prefix group
-    itl_samples: int  # ITL sample buffer (sum of output lengths)
+    step_log: int  # per-step ITL sample values not yet read by the host (see itl_log.py)
+    run_log: int  # decode runs closed by a gap, not yet read by the host
     block_size: int
+    sessions: int = 1  # closed-loop session slots
     scheduler: str = "fcfs"
     preemption_policy: str = "fcfs"
     wait_slots: int = 8  # wait-window capacity for priority-ordered schedulers
@@ -74,11 +76,16 @@ def choose_dims(
     scheduler: str = "fcfs",
     preemption_policy: str = "fcfs",
     growth: int = 1,
+    step_log: int | None = None,
+    num_sessions: int = 0,
 ) -> EngineDims:
     """Pick bucketed capacities for a request set and engine settings.
 
     `growth` multiplies the capacities that can overflow at run time (preempted slots, free
-    ring, wait window); the driver retries with a larger growth on an overflow result code.
+    ring, wait window, logs); the driver retries with a larger growth on an overflow result code.
+    `step_log` is the number of steps the ITL step log holds between two host reads: the chunked
+    driver reads it after every chunk, so it passes its chunk size; the default bounds the steps
+    of a whole run (one decode or one prefill chunk per request and token), for `run_to_end`.
     """
     n = len(input_len)
     max_tokens = int(np.max(input_len + output_len)) if n else 1
@@ -102,10 +109,21 @@ def choose_dims(
         free_ring=bucket(2 * kv * growth),
         prefix_groups=bucket(groups, 1),
         prefix_blocks=bucket(shared + 1, 1),
-        itl_samples=fine_bucket(int(np.maximum(output_len, 1).sum()) + 1),
+        step_log=fine_bucket(_whole_run_steps(input_len, output_len, max_num_batched_tokens) * growth
+                             if step_log is None else step_log),
+        run_log=bucket(max(64, n // 16) * growth),
         block_size=int(block_size),
+        sessions=bucket(num_sessions, 1),
         scheduler=scheduler,
         preemption_policy=preemption_policy,
         wait_slots=bucket(min(max(n, 1), 4096) * growth) if scheduler != "fcfs" else 8,
         window=bucket(min(max(n, 1), 4096) * growth),
     )
+
+
+def _whole_run_steps(input_len: np.ndarray, output_len: np.ndarray, max_num_batched_tokens: int) -> int:
+    """Steps of a run in which no two requests ever share a step (an upper bound in practice:
+    batching only merges steps); one more per request for the step that starts each."""
+    chunk = max(int(max_num_batched_tokens), 1)
+    prefill = -(-np.asarray(input_len, np.int64) // chunk)
+    return int((prefill + np.maximum(output_len, 1)).sum()) + len(input_len) + 1

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from blis_jax import latency
-from blis_jax.engine import batch, kv, results, waitqueue
+from blis_jax.engine import batch, kv, results, sessions, waitqueue
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.state import (
@@ -36,14 +36,23 @@ from blis_jax.engine.state import (
 ENQUEUE, STEP, TIMEOUT = 0, 1, 2
 
 
+def _next_static_enqueue(state: EngineState):
+    n = state.static_order.shape[0]
+    r = state.static_order[jnp.minimum(state.static_pos, n - 1)]
+    return r, jnp.where(state.static_pos < state.num_static, state.enqueue_time[r], INF_TIME)
+
+
+def _next_static_timeout(state: EngineState):
+    n = state.deadline_order.shape[0]
+    r = state.deadline_order[jnp.minimum(state.dl_pos, n - 1)]
+    return r, jnp.where(state.dl_pos < state.num_deadlines, state.deadline[r], INF_TIME)
+
+
 def next_event(state: EngineState, req: RequestArrays):
     """(kind, time) of the next event; time is INF_TIME when nothing is left."""
-    n = state.enqueue_order.shape[0]
-    t_enqueue = state.enqueue_time[state.enqueue_order[jnp.minimum(state.enq_pos, n - 1)]]
-    t_enqueue = jnp.where(state.enq_pos < n, t_enqueue, INF_TIME)
+    t_enqueue = jnp.minimum(_next_static_enqueue(state)[1], sessions.next_pending_round(state)[1])
     t_step = jnp.where(state.step_pending, state.next_step, INF_TIME)
-    t_timeout = req.deadline[state.deadline_order[jnp.minimum(state.dl_pos, n - 1)]]
-    t_timeout = jnp.where(state.dl_pos < state.num_deadlines, t_timeout, INF_TIME)
+    t_timeout = jnp.minimum(_next_static_timeout(state)[1], sessions.next_follow_up_timeout(state)[1])
     kind = jnp.where(
         (t_enqueue <= t_step) & (t_enqueue <= t_timeout), ENQUEUE, jnp.where(t_step <= t_timeout, STEP, TIMEOUT)
     )
@@ -59,10 +68,10 @@ def _ensure_step(state: EngineState, active) -> EngineState:
     )
 
 
-def _detach_itl(state: EngineState):
-    """Take the (large) ITL sample buffer out of the state while nested loops run: a loop
+def _detach_step_log(state: EngineState):
+    """Take the step log (up to megabytes) out of the state while nested loops run: a loop
     carrying it would copy it on entry."""
-    return dataclasses.replace(state, itl_samples=jnp.zeros((0,), jnp.int64)), state.itl_samples
+    return dataclasses.replace(state, step_sample=jnp.zeros((0,), jnp.int32)), state.step_sample
 
 
 def _advance_clock(state: EngineState, now, active) -> EngineState:
@@ -75,14 +84,19 @@ def _advance_clock(state: EngineState, now, active) -> EngineState:
 
 # Handlers are branch-free: each takes `active` and is a no-op when it is False. The loop body
 # runs all three with one of them active, instead of lax.switch/cond, because a conditional
-# would copy the whole state (the ITL buffer is megabytes) on every event.
+# would copy the whole state (the logs are megabytes) on every event.
 
 
 def enqueue(state, dims: EngineDims, params: EngineParams, req: RequestArrays, model, active) -> EngineState:
-    """QueuedEvent: enqueue guards, then the request joins the wait queue."""
+    """QueuedEvent: enqueue guards, then the request joins the wait queue. The request is the
+    next static arrival or a session's pending round, whichever comes first (static first on
+    a tie: BLIS pushes every static arrival before any follow-up)."""
     n = state.enqueue_order.shape[0]
     pos = jnp.minimum(state.enq_pos, n - 1)
-    r = state.enqueue_order[pos]
+    r_static, t_static = _next_static_enqueue(state)
+    round_slot, t_round = sessions.next_pending_round(state)
+    from_static = t_static <= t_round
+    r = jnp.where(from_static, r_static, state.sess_req[round_slot])
     now = state.enqueue_time[r]
     # The request takes window slot pos % W: the slot must not hold a request in flight, and
     # (fcfs) the FIFO part of the queue must span fewer than W positions.
@@ -97,14 +111,18 @@ def enqueue(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
     state = dataclasses.replace(
         state,
         enq_pos=state.enq_pos + active,
+        static_pos=state.static_pos + (active & from_static),
+        enqueue_order=state.enqueue_order.at[jnp.where(active, pos, n)].set(r, mode="drop"),
+        enqueue_rank=state.enqueue_rank.at[jnp.where(active, r, n)].set(pos, mode="drop"),
         result=state.result | jnp.where(overflow, results.WINDOW_FULL, 0).astype(jnp.int32),
     )
+    state = sessions.take_pending_round(state, round_slot, active & ~from_static)
     input_len, output_len = req.input_len[r], req.output_len[r]
     mml = params.max_model_len
     too_long = (mml > 0) & ((input_len >= mml) | ((output_len > 0) & (input_len + output_len > mml)))
     too_big = (input_len + dims.block_size - 1) // dims.block_size > params.total_kv_blocks
     dropped = active & (too_long | too_big)
-    past_due = active & ~dropped & (req.deadline[r] > 0) & (req.deadline[r] <= now)
+    past_due = active & ~dropped & (state.deadline[r] > 0) & (state.deadline[r] <= now)
     queued = active & ~dropped & ~past_due
     status = jnp.where(dropped, DROPPED, jnp.where(past_due, TIMED_OUT, QUEUED))
     state = set_status(state, r, status, active)
@@ -117,24 +135,34 @@ def enqueue(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
         total_input_tokens=state.total_input_tokens + jnp.where(active & ~dropped, input_len, 0),
     )
     state = waitqueue.push_back(state, dims, req, r, queued)
+    state = sessions.arm_timeout(state, params, req, r, queued)
     return _ensure_step(state, active)
 
 
 def timeout(state, dims: EngineDims, params: EngineParams, req: RequestArrays, model, active) -> EngineState:
     """TimeoutEvent: a waiting or running request past its deadline leaves and frees its KV.
-    A timeout for a finished (or not yet enqueued) request is discarded without a clock tick."""
-    n = state.deadline_order.shape[0]
-    r = state.deadline_order[jnp.minimum(state.dl_pos, n - 1)]
-    state, itl_samples = _detach_itl(dataclasses.replace(state, dl_pos=state.dl_pos + active))
-    # A request not yet enqueued has no window slot (its slot may hold an older request).
-    enqueued = state.enqueue_rank[r] < state.enq_pos
+    A timeout for a finished (or not yet enqueued) request is discarded without a clock tick.
+    The request is the next static deadline or an in-flight follow-up's, ties in enqueue order."""
+    r_static, t_static = _next_static_timeout(state)
+    follow_slot, t_follow = sessions.next_follow_up_timeout(state)
+    r_follow = jnp.maximum(state.sess_live[follow_slot], 0)
+    from_static = (t_static < t_follow) | (
+        (t_static == t_follow) & (state.enqueue_rank[r_static] <= state.enqueue_rank[r_follow]))
+    r = jnp.where(from_static, r_static, r_follow)
+    state = sessions.disarm_timeout(state, follow_slot, active & ~from_static)
+    state, step_sample = _detach_step_log(dataclasses.replace(state, dl_pos=state.dl_pos + (active & from_static)))
+    # A request not yet enqueued has no window slot (its slot may hold an older request), and
+    # one enqueued W or more positions ago has lost its slot to a newer request: it finished
+    # long ago (the enqueue guard keeps in-flight requests within W positions).
+    rank = state.enqueue_rank[r]
+    enqueued = (rank < state.enq_pos) & (state.enq_pos - rank <= dims.window)
     status = status_of(state, r)
     row = row_of(state, r)
     waiting = active & enqueued & (status == QUEUED)
     running = active & enqueued & (status == RUNNING)
     fires = waiting | running
     has_row = fires & (row >= 0)
-    state = _advance_clock(state, req.deadline[r], fires)
+    state = _advance_clock(state, state.deadline[r], fires)
     state = waitqueue.remove(state, dims, r, waiting)
     state = kv.release_row(state, dims, row, running)
     in_batch = (jnp.arange(dims.batch_slots) < state.batch_len) & (state.batch_rows == row) & has_row
@@ -146,7 +174,7 @@ def timeout(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
         timed_out=state.timed_out + fires,
         row_state=state.row_state.at[at_row].set(ROW_FREE, mode="drop"),
         row_req=state.row_req.at[at_row].set(-1, mode="drop"),
-        itl_samples=itl_samples,
+        step_sample=step_sample,
     )
     state = set_row(set_status(state, r, TIMED_OUT, fires), r, -1, fires)
     return _ensure_step(state, fires)
@@ -168,8 +196,8 @@ def _step_features(state: EngineState, dims: EngineDims, req: RequestArrays):
     )
 
 
-def _execute(state: EngineState, itl_samples, dims: EngineDims, req: RequestArrays, model, active):
-    """Run the formed batch: advance progress, stamp TTFT, record ITL samples."""
+def _execute(state: EngineState, step_sample, dims: EngineDims, req: RequestArrays, model, active):
+    """Run the formed batch: advance progress, stamp TTFT, log the step's ITL sample."""
     slots = jnp.arange(dims.batch_slots)
     valid = active & (slots < state.batch_len)
     rows = jnp.maximum(state.batch_rows, 0)
@@ -184,17 +212,44 @@ def _execute(state: EngineState, itl_samples, dims: EngineDims, req: RequestArra
     new_progress = jnp.where(in_prefill, state.row_kv_tokens[rows], jnp.where(decoded, progress + 1, progress))
     first_token = valid & (new_progress == input_len) & (state.row_ttft[rows] < 0)
     sample = step_us + token_us
-    sample_at = jnp.where(decoded, req.itl_offset[r] + state.row_num_itl[rows], dims.itl_samples)
     drop_row = lambda mask: jnp.where(mask, rows, dims.rows)  # noqa: E731
     state = dataclasses.replace(
         state,
         row_progress=state.row_progress.at[drop_row(valid)].set(new_progress, mode="drop"),
-        row_ttft=state.row_ttft.at[drop_row(first_token)].set(state.now + sample - req.arrival[r], mode="drop"),
+        row_ttft=state.row_ttft.at[drop_row(first_token)].set(state.now + sample - state.arrival[r], mode="drop"),
         row_num_itl=state.row_num_itl.at[drop_row(decoded)].add(1, mode="drop"),
         row_itl_sum=state.row_itl_sum.at[drop_row(decoded)].add(sample, mode="drop"),
-        steps=state.steps + active,
     )
-    return state, step_us, itl_samples.at[sample_at].set(sample.astype(jnp.int32), mode="drop")
+    state, step_sample = _log_itl(state, step_sample, dims, rows, r, decoded, sample, active)
+    return dataclasses.replace(state, steps=state.steps + active), step_us, step_sample
+
+
+def _log_itl(state: EngineState, step_sample, dims: EngineDims, rows, r, decoded, sample, active):
+    """Every decoding request of a step gets the same ITL sample, so the log keeps one value per
+    step and, per request, the runs of consecutive steps it decoded in (itl_log.py): memory
+    O(steps + requests), not O(tokens). A run broken by a gap (a running request that got no
+    token this step) goes to the run log; the open run is written with the request's record."""
+    now_step = state.steps
+    first, last = state.row_run_first[rows], state.row_run_last[rows]
+    gap = decoded & (first >= 0) & (last != now_step - 1)
+    at = state.run_len + jnp.cumsum(gap) - 1
+    log_at = jnp.where(gap, at, dims.run_log)
+    run_full = jnp.any(gap & (at >= dims.run_log))
+    log_full = active & (now_step - state.step_log_base >= dims.step_log)
+    drop_row = jnp.where(decoded, rows, dims.rows)
+    state = dataclasses.replace(
+        state,
+        run_req=state.run_req.at[log_at].set(r.astype(jnp.int32), mode="drop"),
+        run_first=state.run_first.at[log_at].set(first, mode="drop"),
+        run_last=state.run_last.at[log_at].set(last, mode="drop"),
+        run_len=state.run_len + jnp.sum(gap).astype(jnp.int32),
+        row_run_first=state.row_run_first.at[drop_row].set(jnp.where((first < 0) | gap, now_step, first), mode="drop"),
+        row_run_last=state.row_run_last.at[drop_row].set(now_step, mode="drop"),
+        result=state.result | jnp.where(run_full, results.RUN_LOG_FULL, 0).astype(jnp.int32)
+        | jnp.where(log_full, results.STEP_LOG_FULL, 0).astype(jnp.int32),
+    )
+    at_step = jnp.where(active, now_step % dims.step_log, dims.step_log)
+    return state, step_sample.at[at_step].set(sample.astype(jnp.int32), mode="drop")
 
 
 def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, model, step_us,
@@ -234,6 +289,7 @@ def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams,
         status = jnp.where(is_done, COMPLETED, LENGTH_CAPPED)
         state = log_exit(state, dims, rq, status, True, row=row, e2e=e2e, output_tokens=tokens)
         state = set_row(set_status(state, rq, status, True), rq, -1, True)
+        state = sessions.on_completion(state, params, req, model, rq, state.now + step_us, True)
         return dataclasses.replace(
             state,
             length_capped=state.length_capped + ~is_done,
@@ -258,12 +314,12 @@ def step(state, dims: EngineDims, params: EngineParams, req: RequestArrays, mode
     state = dataclasses.replace(state, step_pending=state.step_pending & ~active)
     run = active & ((state.batch_len > 0) | (state.wait_len > 0))
     state = dataclasses.replace(state, row_new=jnp.where(run, 0, state.row_new))
-    state, itl_samples = _detach_itl(state)
+    state, step_sample = _detach_step_log(state)
     state, budget, preempted = batch.schedule_running(state, dims, params, req, run)
     state = batch.admit_waiting(state, dims, params, req, budget, preempted, run)
-    state, step_us, itl_samples = _execute(state, itl_samples, dims, req, model, run)
+    state, step_us, step_sample = _execute(state, step_sample, dims, req, model, run)
     state = _finish_requests(state, dims, params, req, model, step_us, run)
-    state = dataclasses.replace(state, itl_samples=itl_samples)
+    state = dataclasses.replace(state, step_sample=step_sample)
     more = run & ((state.batch_len > 0) | (state.wait_len > 0))
     return dataclasses.replace(
         state,

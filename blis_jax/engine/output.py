@@ -54,9 +54,13 @@ class SimOutput:
     never scheduled); `output_tokens` (counted at completion, else 0); `handled_by`
     (instance index, -1 if none).
 
-    `itl_samples` (shape [M]): every ITL sample of completed requests, concatenated in
-    request row order, request i contributing its `num_itl[i]` samples — so samples can be
-    attributed to requests (per-instance metrics) without another array.
+    ITL samples of completed requests, in compressed form (every request decoding in a step gets
+    the same sample, the step's duration plus α2): `itl_step_us` (shape [S]) holds one sample
+    value per step and `itl_runs` (shape [K, 3]) rows (request row, first step, last step), the
+    runs of consecutive steps in which a completed request produced ITL samples; request i's
+    runs cover exactly `num_itl[i]` steps. `itl_pool(mask)` turns them into (value, count) pairs
+    and `itl_samples()` expands them (small outputs only). Memory is O(steps + requests), where
+    one entry per sample would be O(output tokens).
 
     Per instance (shape [I]): `preemption_count`, `kv_hits`, `kv_misses` (prefix-cache
     blocks), `dropped_unservable`, `timed_out`, `length_capped`, `total_input_tokens`
@@ -72,7 +76,8 @@ class SimOutput:
     sched_delay_us: np.ndarray
     output_tokens: np.ndarray
     handled_by: np.ndarray
-    itl_samples: np.ndarray
+    itl_step_us: np.ndarray
+    itl_runs: np.ndarray
     preemption_count: np.ndarray
     kv_hits: np.ndarray
     kv_misses: np.ndarray
@@ -89,9 +94,9 @@ class SimOutput:
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():
             object.__setattr__(self, name, _frozen(np.asarray(getattr(self, name)).reshape(-1), dtype))
-        # int32: each sample is one step time in µs; pools reach tens of millions of samples
-        itl = np.asarray(self.itl_samples)
-        object.__setattr__(self, "itl_samples", _frozen(itl if itl.ndim == 1 else itl.reshape(-1), np.int32))
+        # int32: each sample is one step time in µs
+        object.__setattr__(self, "itl_step_us", _frozen(np.asarray(self.itl_step_us).reshape(-1), np.int32))
+        object.__setattr__(self, "itl_runs", _frozen(np.asarray(self.itl_runs).reshape(-1, 3), np.int64))
         for name in _COUNTERS:
             object.__setattr__(self, name, _frozen(np.atleast_1d(np.asarray(getattr(self, name))), np.int64))
         object.__setattr__(self, "result", int(self.result))
@@ -119,10 +124,15 @@ class SimOutput:
         if np.any((self.handled_by < -1) | (self.handled_by >= i)):
             raise ConfigError(f"SimOutput.handled_by: instance index outside -1..{i - 1}")
         done = is_completed(self.status)
-        expected = int(self.num_itl[done].sum())
-        if self.itl_samples.shape[0] != expected:
-            raise ConfigError(f"SimOutput.itl_samples: {self.itl_samples.shape[0]} samples, but completed "
-                              f"requests have Σ num_itl = {expected}")
+        req, first, last = self.itl_runs.T
+        if np.any((req < 0) | (req >= n)) or np.any(~done[req]):
+            raise ConfigError("SimOutput.itl_runs: a run belongs to a request that did not complete")
+        if np.any((first < 0) | (last < first) | (last >= self.itl_step_us.shape[0])):
+            raise ConfigError("SimOutput.itl_runs: a run lies outside the step log")
+        covered = np.bincount(req, weights=last - first + 1, minlength=n).astype(np.int64)
+        if np.any(covered[done] != self.num_itl[done]):
+            raise ConfigError(f"SimOutput.itl_runs: runs cover {int(covered[done].sum())} samples, but completed "
+                              f"requests have Σ num_itl = {int(self.num_itl[done].sum())}")
         if np.any(done & (self.e2e_us < 0)):
             raise ConfigError("SimOutput.e2e_us: a completed request has no E2E (-1)")
         return self
@@ -130,15 +140,54 @@ class SimOutput:
     def completed_mask(self) -> np.ndarray:
         return is_completed(self.status)
 
-    def itl_owner(self) -> np.ndarray:
-        """Row index of the request each `itl_samples` entry belongs to."""
-        done = np.flatnonzero(self.completed_mask())
-        return np.repeat(done, self.num_itl[done])
+    def take(self, rows: np.ndarray) -> SimOutput:
+        """The outputs of requests `rows` (in that order), counters unchanged."""
+        rows = np.asarray(rows, np.int64)
+        new_index = np.full(self.num_requests, -1, np.int64)
+        new_index[rows] = np.arange(rows.shape[0])
+        runs = self.itl_runs[new_index[self.itl_runs[:, 0]] >= 0]
+        runs = np.column_stack([new_index[runs[:, 0]], runs[:, 1:]])
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields.update({name: getattr(self, name)[rows] for name in _PER_REQUEST})
+        fields["itl_runs"] = runs
+        return SimOutput(**fields)
+
+    def itl_pool(self, requests: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Pooled ITL samples of the completed requests selected by the boolean mask `requests`
+        (all if None) as (sample value, count) over the steps that have any."""
+        runs = self.itl_runs if requests is None else self.itl_runs[np.asarray(requests, bool)[self.itl_runs[:, 0]]]
+        steps = self.itl_step_us.shape[0]
+        # difference array over steps: +1 where a run starts, -1 after it ends
+        delta = (np.bincount(runs[:, 1], minlength=steps + 1)
+                 - np.bincount(runs[:, 2] + 1, minlength=steps + 1))
+        counts = np.cumsum(delta[:steps])
+        used = counts > 0
+        return self.itl_step_us[used], counts[used]
+
+    def itl_samples(self) -> np.ndarray:
+        """Every ITL sample of completed requests, in request row order and time order within a
+        request (expanded: O(output tokens) memory, for small outputs and tests)."""
+        runs = self.itl_runs[np.lexsort((self.itl_runs[:, 1], self.itl_runs[:, 0]))]
+        parts = [self.itl_step_us[first : last + 1] for _, first, last in runs.tolist()]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def itl_from_samples(samples, status, num_itl) -> dict[str, np.ndarray]:
+    """`itl_step_us` / `itl_runs` for given pooled samples (request row order, `num_itl[i]` per
+    completed request), one step per sample: for outputs built outside the engine."""
+    samples = np.asarray(samples, np.int64).reshape(-1)
+    done = np.flatnonzero(is_completed(np.asarray(status)))
+    owner = np.repeat(done, np.asarray(num_itl, np.int64)[done])
+    if owner.shape[0] != samples.shape[0]:
+        raise ConfigError(f"itl samples: {samples.shape[0]} given, but completed requests have "
+                          f"Σ num_itl = {owner.shape[0]}")
+    steps = np.arange(samples.shape[0], dtype=np.int64)
+    return {"itl_step_us": samples, "itl_runs": np.stack([owner, steps, steps], axis=1)}
 
 
 def _frozen(arr: np.ndarray, dtype) -> np.ndarray:
     # A read-only array of the right type that owns its data cannot change under us: keep it
-    # (the ITL pool can be hundreds of MB); copy anything else.
+    # (large outputs are not copied twice); copy anything else.
     if (isinstance(arr, np.ndarray) and arr.dtype == dtype and not arr.flags.writeable
             and arr.flags.owndata):
         return arr

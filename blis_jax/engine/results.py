@@ -10,6 +10,8 @@ FREE_RING_FULL = 1 << 1  # released-block FIFO could not be compacted enough
 WAIT_WINDOW_FULL = 1 << 2  # priority wait window full
 ALLOC_OVERFLOW = 1 << 3  # one allocation needed more than alloc_blocks blocks
 WINDOW_FULL = 1 << 6  # requests in flight span more than `window` enqueue positions
+STEP_LOG_FULL = 1 << 7  # more steps since the last host read than the step log holds
+RUN_LOG_FULL = 1 << 8  # more gap-closed decode runs since the last host read than the run log holds
 
 _NAMES = {
     ROWS_FULL: "rows_full",
@@ -17,9 +19,11 @@ _NAMES = {
     WAIT_WINDOW_FULL: "wait_window_full",
     ALLOC_OVERFLOW: "alloc_overflow",
     WINDOW_FULL: "window_full",
+    STEP_LOG_FULL: "step_log_full",
+    RUN_LOG_FULL: "run_log_full",
 }
 
-GROWABLE = ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL | WINDOW_FULL
+GROWABLE = ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL | WINDOW_FULL | STEP_LOG_FULL | RUN_LOG_FULL
 
 
 def describe(code: int) -> str:

@@ -40,6 +40,7 @@ ROW_RUNNING = 1
 ROW_PREEMPTED = 2
 
 NO_KEY = -1
+NOT_ENQUEUED = (1 << 31) - 1  # enqueue_rank of a request not enqueued yet
 
 
 class RequestArrays(eqx.Module):
@@ -53,7 +54,12 @@ class RequestArrays(eqx.Module):
     shared_blocks: Int64[Array, " N"]  # full blocks shared with the prefix group
     priority: Int64[Array, " N"]  # vLLM convention: lower = more urgent
     wait_rank: Int64[Array, " N"]  # static wait-queue order for priority-fcfs / sjf
-    itl_offset: Int64[Array, " N"]  # start of this request's ITL samples in the buffer
+    # closed-loop sessions (sessions.py): round r+1 arrives think_time after round r completes
+    follow_up: Bool[Array, " N"]  # arrival set by the loop (a later round of a closed-loop session)
+    next_round: Int32[Array, " N"]  # row of this request's next round, -1 none
+    think_time: Int64[Array, " N"]  # completion → next round's arrival (µs)
+    follow_timeout: Int64[Array, " N"]  # follow-up deadline relative to its arrival (µs), 0 none
+    session_slot: Int32[Array, " N"]  # session of the request, -1 none
     valid: Bool[Array, " N"]
 
 
@@ -63,13 +69,26 @@ class EngineState(eqx.Module):
     step_pending: Bool[Array, ""]
     next_step: Int64[Array, ""]
     sim_end: Int64[Array, ""]
-    enq_pos: Int32[Array, ""]  # enqueue events processed (index into enqueue order)
+    enq_pos: Int32[Array, ""]  # enqueue events processed
+    static_pos: Int32[Array, ""]  # of those, from the static arrival order
     dl_pos: Int32[Array, ""]  # timeout events processed (index into deadline order)
-    enqueue_order: Int32[Array, " N"]  # request at each enqueue position
-    enqueue_rank: Int32[Array, " N"]  # enqueue position of each request
-    enqueue_time: Int64[Array, " N"]  # per request: arrival + queueing delay
-    deadline_order: Int32[Array, " N"]
+    static_order: Int32[Array, " N"]  # requests with a known arrival, in enqueue order
+    num_static: Int32[Array, ""]
+    enqueue_order: Int32[Array, " N"]  # request at each enqueue position (written at enqueue)
+    enqueue_rank: Int32[Array, " N"]  # enqueue position of each request (NOT_ENQUEUED before)
+    enqueue_time: Int64[Array, " N"]  # per request: arrival + queueing delay (INF until known)
+    arrival: Int64[Array, " N"]  # injection time; a follow-up round's is set when it is generated (-1 before)
+    deadline: Int64[Array, " N"]  # absolute µs, 0 = none
+    deadline_order: Int32[Array, " N"]  # static deadlines (follow-ups' are in the session slots)
     num_deadlines: Int32[Array, ""]
+
+    # closed-loop session slots: a pending next round, or the in-flight round's timeout
+    sess_enqueue: Int64[Array, " S"]  # enqueue time of the pending round, INF none
+    sess_req: Int32[Array, " S"]
+    sess_seq: Int64[Array, " S"]  # generation order (same-tick tie-break)
+    sess_deadline: Int64[Array, " S"]  # timeout of the in-flight follow-up, INF none
+    sess_live: Int32[Array, " S"]
+    follow_ups: Int64[Array, ""]  # rounds generated so far
 
     # in-flight requests, by enqueue position modulo W
     win_status: Int32[Array, " W"]
@@ -83,7 +102,9 @@ class EngineState(eqx.Module):
     out_num_itl: Int64[Array, " N"]
     out_sched_delay: Int64[Array, " N"]
     out_output_tokens: Int64[Array, " N"]
-    itl_samples: Int32[Array, " T"]
+    out_admit_step: Int64[Array, " N"]  # step of the last admission (ITL samples start after it)
+    out_run_first: Int64[Array, " N"]  # the open decode run at exit: first and last step, -1 none
+    out_run_last: Int64[Array, " N"]
     finished: Int64[Array, ""]  # requests that left (completed, timed out, dropped)
 
     # block-table rows
@@ -97,6 +118,9 @@ class EngineState(eqx.Module):
     row_itl_sum: Int64[Array, " R"]
     row_num_itl: Int64[Array, " R"]
     row_sched_delay: Int64[Array, " R"]
+    row_admit_step: Int64[Array, " R"]
+    row_run_first: Int64[Array, " R"]  # current decode run (consecutive decoding steps), -1 none
+    row_run_last: Int64[Array, " R"]
     row_nblocks: Int32[Array, " R"]
     row_blocks: Int32[Array, "R B"]
 
@@ -122,6 +146,14 @@ class EngineState(eqx.Module):
     free_count: Int64[Array, ""]
     group_block: Int32[Array, "G PB"]
 
+    # ITL log (itl_log.py): every step's ITL sample value, and decode runs closed by a gap
+    step_sample: Int32[Array, " L"]  # by step index modulo L
+    step_log_base: Int64[Array, ""]  # first step the host has not read yet
+    run_req: Int32[Array, " RL"]
+    run_first: Int64[Array, " RL"]
+    run_last: Int64[Array, " RL"]
+    run_len: Int32[Array, ""]  # entries since the last host read
+
     # counters
     preemptions: Int64[Array, ""]
     kv_hits: Int64[Array, ""]
@@ -144,11 +176,12 @@ def init_state(
     n, r, s = dims.num_requests, dims.rows, dims.batch_slots
     idx = jnp.arange(n, dtype=jnp.int32)
     # Queued events fire in (time, push order) order; pushes happen in arrival order.
-    enq_t = jnp.where(req.valid, enqueue_time, INF_TIME)
+    static = req.valid & ~req.follow_up
+    enq_t = jnp.where(static, enqueue_time, INF_TIME)
     enqueue_order = jnp.lexsort((idx, enq_t)).astype(jnp.int32)
     # Timeout events exist for 0 < deadline <= horizon, pushed at enqueue.
     enq_rank = jnp.zeros(n, jnp.int32).at[enqueue_order].set(idx)
-    has_dl = req.valid & (req.deadline > 0) & (req.deadline <= horizon)
+    has_dl = static & (req.deadline > 0) & (req.deadline <= horizon)
     dl_t = jnp.where(has_dl, req.deadline, INF_TIME)
     deadline_order = jnp.lexsort((enq_rank, dl_t)).astype(jnp.int32)
     w = dims.window
@@ -161,12 +194,23 @@ def init_state(
         next_step=i64(INF_TIME),
         sim_end=i64(0),
         enq_pos=i32(0),
+        static_pos=i32(0),
         dl_pos=i32(0),
+        static_order=enqueue_order,
+        num_static=jnp.sum(static).astype(jnp.int32),
         enqueue_order=enqueue_order,
-        enqueue_rank=enq_rank,
+        enqueue_rank=jnp.full(n, NOT_ENQUEUED, jnp.int32),
         enqueue_time=enq_t,
+        arrival=jnp.where(req.follow_up, -1, req.arrival),
+        deadline=jnp.where(req.follow_up, 0, req.deadline),
         deadline_order=deadline_order,
         num_deadlines=jnp.sum(has_dl).astype(jnp.int32),
+        sess_enqueue=jnp.full(dims.sessions, INF_TIME, jnp.int64),
+        sess_req=jnp.full(dims.sessions, -1, jnp.int32),
+        sess_seq=jnp.zeros(dims.sessions, jnp.int64),
+        sess_deadline=jnp.full(dims.sessions, INF_TIME, jnp.int64),
+        sess_live=jnp.full(dims.sessions, -1, jnp.int32),
+        follow_ups=i64(0),
         win_status=jnp.zeros(w, jnp.int32),
         win_row=jnp.full(w, -1, jnp.int32),
         out_status=jnp.zeros(n, jnp.int32),
@@ -176,7 +220,9 @@ def init_state(
         out_num_itl=jnp.zeros(n, jnp.int64),
         out_sched_delay=jnp.full(n, -1, jnp.int64),
         out_output_tokens=jnp.zeros(n, jnp.int64),
-        itl_samples=jnp.zeros(dims.itl_samples, jnp.int32),
+        out_admit_step=jnp.full(n, -1, jnp.int64),
+        out_run_first=jnp.full(n, -1, jnp.int64),
+        out_run_last=jnp.full(n, -1, jnp.int64),
         finished=i64(0),
         row_req=jnp.full(r, -1, jnp.int32),
         row_state=jnp.zeros(r, jnp.int32),
@@ -188,6 +234,9 @@ def init_state(
         row_itl_sum=jnp.zeros(r, jnp.int64),
         row_num_itl=jnp.zeros(r, jnp.int64),
         row_sched_delay=jnp.full(r, -1, jnp.int64),
+        row_admit_step=jnp.full(r, -1, jnp.int64),
+        row_run_first=jnp.full(r, -1, jnp.int64),
+        row_run_last=jnp.full(r, -1, jnp.int64),
         row_nblocks=jnp.zeros(r, jnp.int32),
         row_blocks=jnp.full((r, dims.blocks_per_request), -1, jnp.int32),
         batch_rows=jnp.full(s, -1, jnp.int32),
@@ -208,6 +257,12 @@ def init_state(
         fresh_next=i32(0),
         free_count=total_kv_blocks.astype(jnp.int64),
         group_block=jnp.full((dims.prefix_groups, dims.prefix_blocks), -1, jnp.int32),
+        step_sample=jnp.zeros(dims.step_log, jnp.int32),
+        step_log_base=i64(0),
+        run_req=jnp.full(dims.run_log, -1, jnp.int32),
+        run_first=jnp.zeros(dims.run_log, jnp.int64),
+        run_last=jnp.zeros(dims.run_log, jnp.int64),
+        run_len=i32(0),
         preemptions=i64(0),
         kv_hits=i64(0),
         kv_misses=i64(0),
@@ -264,5 +319,8 @@ def log_exit(state: EngineState, dims: EngineDims, r, status, active, *, row=Non
             out_itl_sum=state.out_itl_sum.at[at_row].set(state.row_itl_sum[safe], mode="drop"),
             out_num_itl=state.out_num_itl.at[at_row].set(state.row_num_itl[safe], mode="drop"),
             out_sched_delay=state.out_sched_delay.at[at_row].set(state.row_sched_delay[safe], mode="drop"),
+            out_admit_step=state.out_admit_step.at[at_row].set(state.row_admit_step[safe], mode="drop"),
+            out_run_first=state.out_run_first.at[at_row].set(state.row_run_first[safe], mode="drop"),
+            out_run_last=state.out_run_last.at[at_row].set(state.row_run_last[safe], mode="drop"),
         )
     return dataclasses.replace(state, **upd)

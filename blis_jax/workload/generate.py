@@ -115,6 +115,8 @@ class SessionPlan:
     prefix_len: int
     start_index: int         # request index of the session start in its key's streams
     base_key: jax.Array      # client key, or window key for per-window clients
+    input_dist: object = None   # length distributions of the session's client or window
+    output_dist: object = None
 
     def round_key(self, round_index: int) -> jax.Array:
         if round_index == 0:
@@ -647,7 +649,8 @@ def _session_rows(rc: ResolvedClient, starts: _Starts, rounds: int, open_loop: b
         think = c.think_time_us if c.concurrency is not None else mt.think_time_us
         plans = [{"max_rounds": 0 if c.concurrency is not None else mt.max_rounds, "think_time_us": think or 0,
                   "context_growth": mt.context_growth if mt is not None else "",
-                  "start_index": int(starts.idx[j]), "base_key": starts.key} for j in range(n)]
+                  "start_index": int(starts.idx[j]), "base_key": starts.key,
+                  "input_dist": starts.input, "output_dist": starts.output} for j in range(n)]
         plan = np.arange(n, dtype=np.int64)
     return _Rows(arrival=stack([x[0] for x in cols]), fresh=stack([x[1] for x in cols]),
                  output=stack([x[2] for x in cols]),
@@ -711,5 +714,6 @@ def _assemble(clients: tuple[ResolvedClient, ...], keys: list[jax.Array], per_cl
             session_id=str(session_ids[row]), client_index=rc.index, request_id=int(row),
             max_rounds=p["max_rounds"], think_time_us=p["think_time_us"], context_growth=p["context_growth"],
             timeout_us=rc.timeout_us or SESSION_DEFAULT_TIMEOUT_US, prefix_len=rc.prefix_len,
-            start_index=p["start_index"], base_key=p["base_key"]))
+            start_index=p["start_index"], base_key=p["base_key"],
+            input_dist=p["input_dist"], output_dist=p["output_dist"]))
     return GeneratedWorkload(requests=requests, sessions=tuple(plans), clients=clients, seed=seed)

@@ -1,0 +1,62 @@
+"""Host side of the ITL log: read the engine's step log and run log, build `SimOutput`'s ITL pool.
+
+Inside the loop every executed step writes its ITL sample (step time + α2, the same for every
+request decoding in it) at `step index mod step_log`, and a decode run broken by a gap goes to
+the run log (events.py `_log_itl`). The chunked driver reads both after every chunk and marks
+them read (`step_log_base`, `run_len`), so their device sizes only bound one chunk; a whole run
+in one call (`run_to_end`) needs logs that hold the whole run (else a *_LOG_FULL result bit).
+
+A request's ITL samples are those since its last admission (preemption discards earlier ones,
+as BLIS does), so runs that started before it are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from blis_jax.engine.state import EngineState
+
+
+class ItlLogReader:
+    """Accumulates the step samples and gap-closed runs read from successive states."""
+
+    def __init__(self) -> None:
+        self._samples: list[np.ndarray] = []
+        self._runs: list[np.ndarray] = []
+        self._read_steps = 0
+
+    def read(self, state: EngineState) -> EngineState:
+        """Copy what the loop logged since the last read; returns `state` with it marked read."""
+        self._collect(state)
+        return dataclasses.replace(state, step_log_base=jnp.asarray(self._read_steps, jnp.int64),
+                                   run_len=jnp.asarray(0, jnp.int32))
+
+    def _collect(self, state) -> None:
+        steps, logged = int(state.steps), int(state.step_log_base)
+        if logged != self._read_steps:
+            raise RuntimeError("ItlLogReader: the state was not the one returned by the last read()")
+        size = state.step_sample.shape[0]
+        if steps > logged:
+            self._samples.append(np.asarray(state.step_sample)[np.arange(logged, steps) % size])
+        k = int(state.run_len)
+        if k:
+            self._runs.append(np.stack([np.asarray(state.run_req[:k], np.int64), np.asarray(state.run_first[:k]),
+                                        np.asarray(state.run_last[:k])], axis=1))
+        self._read_steps = steps
+
+    def finish(self, s, num_requests: int, completed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(`itl_step_us`, `itl_runs`) of the completed requests, from the final host state `s`."""
+        self._collect(s)
+        n = num_requests
+        step_us = np.concatenate(self._samples) if self._samples else np.zeros(0, np.int32)
+        admit = np.asarray(s.out_admit_step[:n])
+        open_first, open_last = np.asarray(s.out_run_first[:n]), np.asarray(s.out_run_last[:n])
+        final = np.flatnonzero(completed & (open_first >= 0))
+        runs = [np.stack([final, open_first[final], open_last[final]], axis=1)] + self._runs
+        runs = np.concatenate(runs).astype(np.int64)
+        req = runs[:, 0]
+        keep = completed[req] & (runs[:, 1] >= admit[req])
+        return step_us, runs[keep]

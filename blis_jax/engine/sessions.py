@@ -1,0 +1,88 @@
+"""Closed-loop sessions inside the loop (blis-features §4.9): the loop schedules follow-ups.
+
+A session's rounds are rows of the request arrays (lengths drawn up front: they do not depend on
+timing); only the arrival of round r+1 is unknown until round r completes. Each session has a
+slot: while a round is pending it holds the round's enqueue time (an enqueue event source
+beside the static arrival order); while a follow-up is in flight it holds its timeout (a
+timeout source beside the static deadline order). A session has at most one of the two, as a
+round is generated only when the previous one completes.
+
+* Completion (normal or length-capped) at step end t: round r+1 arrives at t + think time if
+  that is within the horizon (else the session is horizon-interrupted and the round is never
+  generated); its deadline is arrival + the follow-up timeout. Same-tick pending rounds enqueue
+  in generation order, after static arrivals (BLIS pushes all static arrivals first).
+* Timeout or drop ends the session: nothing is generated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from blis_jax import latency
+from blis_jax.engine.params import INF_TIME, EngineParams
+from blis_jax.engine.state import EngineState, RequestArrays
+
+
+def next_pending_round(state: EngineState):
+    """(slot, enqueue time) of the next pending round; time INF_TIME if none."""
+    t = jnp.min(state.sess_enqueue)
+    slot = jnp.argmin(jnp.where(state.sess_enqueue == t, state.sess_seq, INF_TIME))
+    return slot, t
+
+
+def next_follow_up_timeout(state: EngineState):
+    """(slot, deadline) of the next in-flight follow-up timeout; ties in enqueue order."""
+    t = jnp.min(state.sess_deadline)
+    rank = state.enqueue_rank[jnp.maximum(state.sess_live, 0)]
+    slot = jnp.argmin(jnp.where(state.sess_deadline == t, rank, jnp.iinfo(jnp.int32).max))
+    return slot, t
+
+
+def take_pending_round(state: EngineState, slot, active) -> EngineState:
+    at = jnp.where(active, slot, state.sess_enqueue.shape[0])
+    return dataclasses.replace(state, sess_enqueue=state.sess_enqueue.at[at].set(INF_TIME, mode="drop"))
+
+
+def arm_timeout(state: EngineState, params: EngineParams, req: RequestArrays, r, active) -> EngineState:
+    """A follow-up joined the queue: its timeout fires at its deadline if 0 < deadline ≤ horizon."""
+    deadline = state.deadline[r]
+    arm = active & req.follow_up[r] & (deadline > 0) & (deadline <= params.horizon_us)
+    at = jnp.where(arm, req.session_slot[r], state.sess_deadline.shape[0])
+    return dataclasses.replace(
+        state,
+        sess_deadline=state.sess_deadline.at[at].set(deadline, mode="drop"),
+        sess_live=state.sess_live.at[at].set(r, mode="drop"),
+    )
+
+
+def disarm_timeout(state: EngineState, slot, active) -> EngineState:
+    at = jnp.where(active, slot, state.sess_deadline.shape[0])
+    return dataclasses.replace(state, sess_deadline=state.sess_deadline.at[at].set(INF_TIME, mode="drop"))
+
+
+def on_completion(state: EngineState, params: EngineParams, req: RequestArrays, model, r, done_at, active):
+    """Request r completed at `done_at` (its step's end): generate its session's next round."""
+    nxt = req.next_round[r]
+    slot = req.session_slot[r]
+    in_session = active & (slot >= 0)
+    # the completed round's own timeout is lazily cancelled (it would be discarded anyway)
+    state = disarm_timeout(state, jnp.maximum(slot, 0), in_session & req.follow_up[r])
+    arrival = done_at + req.think_time[r]
+    generate = in_session & (nxt >= 0) & (arrival <= params.horizon_us)
+    nxt_safe = jnp.maximum(nxt, 0)
+    row_at = jnp.where(generate, nxt_safe, state.arrival.shape[0])
+    slot_at = jnp.where(generate, slot, state.sess_enqueue.shape[0])
+    enqueue = arrival + latency.queueing_time_us(model, req.input_len[nxt_safe])
+    timeout = req.follow_timeout[nxt_safe]
+    return dataclasses.replace(
+        state,
+        arrival=state.arrival.at[row_at].set(arrival, mode="drop"),
+        enqueue_time=state.enqueue_time.at[row_at].set(enqueue, mode="drop"),
+        deadline=state.deadline.at[row_at].set(jnp.where(timeout > 0, arrival + timeout, 0), mode="drop"),
+        sess_enqueue=state.sess_enqueue.at[slot_at].set(enqueue, mode="drop"),
+        sess_req=state.sess_req.at[slot_at].set(nxt.astype(jnp.int32), mode="drop"),
+        sess_seq=state.sess_seq.at[slot_at].set(state.follow_ups, mode="drop"),
+        follow_ups=state.follow_ups + generate,
+    )
