@@ -7,6 +7,10 @@ apply) on stdout and optionally write ``--metrics-path``, ``--results-path`` and
 ``--trace-output``. Bad input ends with one ``blis-jax: error: ...`` line on stderr and exit
 code 2; diagnostics and progress never go to stdout.
 
+``convert preset|inference-perf`` and ``compose`` print a workload spec v2 YAML (spec §1.5;
+logic in ``workload.convert``); ``calibrate`` compares an observed TraceV2 with the results
+file of replaying it and writes a JSON ``--report`` (spec §1.4; logic in ``calibrate``).
+
 Flag defaults are BLIS's (spec blis-features §1.1-§1.2), except ``--model``: BLIS requires
 it, blis-jax defaults it to meta-llama/llama-3.1-8b-instruct so that a bare ``blis-jax run``
 simulates the embedded default scenario. Configuration precedence is BLIS's: an explicit
@@ -39,7 +43,7 @@ from blis_jax.config.coefficients import check_alpha, check_beta
 from blis_jax.engine import results as result_codes
 from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
 from blis_jax.engine.params import make_engine_params
-from blis_jax.engine.simulate import simulate_instance
+from blis_jax.engine.simulate import simulate_instance, simulate_sessions
 from blis_jax.errors import ConfigError
 from blis_jax.latency import build_latency_model
 from blis_jax.output import render_stdout, write_metrics_file, write_results_file
@@ -228,12 +232,91 @@ def _add_replay_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-data", required=True, metavar="FILE", help="TraceV2 request CSV")
 
 
+def _add_log_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log", default="warn", choices=LOG_LEVELS, metavar="LEVEL",
+                   help="stderr verbosity: warnings are printed at warn and below (default warn)")
+
+
+def _add_spec_output_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", default=None, metavar="FILE",
+                   help="blis-jax extension: write the spec YAML to FILE instead of stdout")
+
+
+def _add_convert_parsers(sub) -> None:
+    convert = sub.add_parser("convert", allow_abbrev=False, help="emit a workload spec v2 YAML",
+                             description="Convert a preset or an inference-perf spec into a workload "
+                                         "spec v2 (YAML on stdout), for run --workload-spec.")
+    kinds = convert.add_subparsers(dest="convert_kind", metavar="{preset,inference-perf}")
+    kinds.required = True
+    preset = kinds.add_parser("preset", allow_abbrev=False, help="spec of a named workload preset",
+                              description="Spec of a preset: constant arrivals at --rate, the preset's "
+                                          "clamped-Gaussian lengths, 300 s client timeout (as run --workload).")
+    preset.add_argument("--name", required=True, metavar="PRESET",
+                        help=f"preset name ({', '.join(PRESETS)})")
+    preset.add_argument("--rate", type=float, default=1.0, help="arrival rate, requests/s (default 1.0)")
+    preset.add_argument("--num-requests", type=int, default=100, metavar="N",
+                        help="requests to generate (default 100)")
+    inference_perf = kinds.add_parser("inference-perf", allow_abbrev=False,
+                                      help="expand an inference-perf spec into explicit clients",
+                                      description="Expand the inference_perf section (stages + "
+                                                  "shared_prefix) of a spec into explicit clients.")
+    inference_perf.add_argument("--spec", required=True, metavar="FILE",
+                                help="workload spec YAML with an inference_perf section")
+    for p in (preset, inference_perf):
+        _add_spec_output_flag(p)
+        _add_log_flag(p)
+
+    compose = sub.add_parser("compose", allow_abbrev=False, help="merge several workload specs into one",
+                             description="Merge workload specs: aggregate rates add up and each spec's "
+                                         "clients keep their own rates; category and seed from the first.")
+    compose.add_argument("--from", dest="from_specs", action="append", required=True, metavar="FILE",
+                         help="a workload spec YAML (repeat for each spec)")
+    _add_spec_output_flag(compose)
+    _add_log_flag(compose)
+
+
+def _add_calibrate_parser(sub) -> None:
+    p = sub.add_parser("calibrate", allow_abbrev=False,
+                       help="compare an observed trace with the simulator's per-request results",
+                       description="Compare the observed latencies of a TraceV2 (first/last chunk times) "
+                                   "with the per-request results of replaying it (replay --results-path): "
+                                   "MAPE, Pearson r, bias and quality per metric, written as JSON to --report.")
+    g = p.add_argument_group("inputs and report")
+    g.add_argument("--trace-header", required=True, metavar="FILE", help="observed TraceV2 header YAML")
+    g.add_argument("--trace-data", required=True, metavar="FILE", help="observed TraceV2 request CSV")
+    g.add_argument("--sim-results", required=True, metavar="FILE",
+                   help="per-request results of replaying the trace (replay --results-path)")
+    g.add_argument("--report", required=True, metavar="FILE", help="calibration report JSON to write")
+    g = p.add_argument_group("pairing and network")
+    g.add_argument("--warmup-requests", type=int, default=-1, metavar="N",
+                   help="drop records with request_id < N (default -1: the header's warm_up_requests)")
+    g.add_argument("--network-rtt-us", type=float, default=-1, metavar="US",
+                   help="round-trip time added to simulated latencies (default -1: the header's "
+                        "network.measured_rtt_ms, else 0)")
+    g.add_argument("--network-bandwidth-mbps", type=float, default=0.0, metavar="MBPS",
+                   help="client link bandwidth for upload/download delays, 4 bytes per token "
+                        "(default 0: no transfer delay)")
+    g = p.add_argument_group("checks")
+    g.add_argument("--sim-metrics", default=None, metavar="FILE",
+                   help="aggregate metrics of the replay (--metrics-path, with cache_hit_rate), compared "
+                        "with the header's observed_kv_metrics.hit_rate")
+    g.add_argument("--hit-rate-tolerance-pp", type=float, default=5.0, metavar="PP",
+                   help="allowed |real − sim| KV hit-rate gap, percentage points (default 5)")
+    g.add_argument("--ttft-mape-threshold", type=float, default=0.15, metavar="FRAC",
+                   help="TTFT MAPE above this fraction is reported as a failed check (default 0.15)")
+    _add_log_flag(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, allow_abbrev=False,
                      description="Vectorized LLM-serving simulator with BLIS's flags and outputs.")
     from blis_jax import __version__
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{run,replay}", parser_class=_Parser)
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use JAX's persistent compilation cache (default: on, in "
+                             "$XDG_CACHE_HOME/blis-jax/jax-cache; env BLIS_JAX_COMPILE_CACHE=DIR or 0)")
+    sub = parser.add_subparsers(dest="command", metavar="{run,replay,convert,compose,calibrate,sweep,plan}",
+                                parser_class=_Parser)
     sub.required = True
     run = sub.add_parser("run", allow_abbrev=False, help="generate a workload and simulate it",
                          description="Generate a workload (constant arrivals, clamped-Gaussian lengths "
@@ -245,7 +328,29 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Simulate the requests of a TraceV2 trace (header YAML + CSV).")
     _add_replay_flags(replay)
     _add_shared_flags(replay)
+    _add_convert_parsers(sub)
+    _add_calibrate_parser(sub)
+    _add_sweep_parsers(sub)
     return parser
+
+
+def _add_sweep_parsers(sub) -> None:
+    # Imported here, not at the top: the sweep package resolves its scenarios through this module.
+    from blis_jax.sweep import commands
+
+    commands.add_parsers(sub)
+
+
+def cmd_sweep(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    from blis_jax.sweep import commands
+
+    return commands.cmd_sweep(args, stdout, stderr, diag)
+
+
+def cmd_plan(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    from blis_jax.sweep import commands
+
+    return commands.cmd_plan(args, stdout, stderr, diag)
 
 
 # ---------------------------------------------------------------------------- diagnostics
@@ -501,9 +606,9 @@ def replay_horizon(args, requests: RequestSet) -> int | None:
 # ------------------------------------------------------------------------------- commands
 
 
-def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO):
-    """Run the engine, with a progress reporter when stderr is a terminal or --progress."""
-    params = make_engine_params(
+def engine_params(scenario: Scenario):
+    """The engine's dynamic settings of a resolved scenario (shared with `blis-jax sweep`)."""
+    return make_engine_params(
         max_num_seqs=scenario.max_num_seqs,
         max_num_batched_tokens=scenario.max_num_batched_tokens,
         long_prefill_token_threshold=scenario.long_prefill_token_threshold,
@@ -511,13 +616,22 @@ def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO):
         total_kv_blocks=scenario.total_kv_blocks,
         horizon_us=scenario.horizon_us,
     )
+
+
+def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO, sessions=None):
+    """Run the engine, with a progress reporter when stderr is a terminal or --progress.
+    With closed-loop `sessions` (SessionLinks) returns (the requests that existed, outputs)."""
+    params = engine_params(scenario)
     tty = bool(getattr(stderr, "isatty", lambda: False)())
     reporter = ProgressReporter(stderr, tty) if (tty or args.progress) else None
     extra = {"progress": reporter, "events_per_chunk": PROGRESS_EVENTS_PER_CHUNK} if reporter else {}
+    settings = dict(block_size=scenario.block_size, scheduler=scenario.scheduler,
+                    preemption_policy=scenario.preemption_policy, **extra)
     try:
-        out = simulate_instance(requests, params, scenario.latency_model, block_size=scenario.block_size,
-                                scheduler=scenario.scheduler, preemption_policy=scenario.preemption_policy,
-                                **extra)
+        if sessions is not None:
+            requests, out = simulate_sessions(requests, sessions, params, scenario.latency_model, **settings)
+        else:
+            out = simulate_instance(requests, params, scenario.latency_model, **settings)
     finally:
         if reporter is not None:
             reporter.close()
@@ -525,7 +639,7 @@ def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO):
         raise SimulationFailed(f"the engine stopped early ({result_codes.describe(out.result)}: an "
                                "internal buffer overflowed); the outputs would be incomplete, so none "
                                "were written. Please report this with the command line")
-    return out
+    return out if sessions is None else (requests, out)
 
 
 class SimulationFailed(RuntimeError):
@@ -546,14 +660,42 @@ def write_outputs(args, requests: RequestSet, out, header: TraceHeader, stdout: 
 
 def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     _check_output_paths(args)
+    scenario, requests, sessions = resolve_run_sessions(args, diag)
+    if sessions is None:
+        out = simulate(scenario, requests, args, stderr)
+    else:
+        requests, out = simulate(scenario, requests, args, stderr, sessions)
+    header = TraceHeader(mode="generated", workload_seed=args.seed)
+    write_outputs(args, requests, out, header, stdout)
+    return 0
+
+
+def resolve_run(args, diag: Diagnostics) -> tuple[Scenario, RequestSet]:
+    """`run`'s flags → (scenario, generated requests); `blis-jax sweep` resolves each of its
+    scenarios through this same function, so a sweep row and a `run` cannot differ."""
+    scenario, requests, sessions = resolve_run_sessions(args, diag)
+    if sessions is not None:
+        raise ConfigError("--workload-spec: closed-loop sessions (their rounds arrive during the run) are not "
+                          "supported in sweeps yet; use `blis-jax run` for this workload")
+    return scenario, requests
+
+
+def resolve_run_sessions(args, diag: Diagnostics):
+    """(scenario, requests, SessionLinks or None): with closed-loop sessions in the workload
+    spec, the requests hold every round and the links tell the engine how rounds follow."""
+    sessions = None
     if args.workload_spec:
-        from blis_jax.workload.generate import generate_requests
+        from blis_jax.workload.generate import generate_workload
+        from blis_jax.workload.sessions import closed_loop_requests
 
         if args.timeout is not None and args.timeout == 0:
             raise ConfigError("--timeout 0 is not allowed: give seconds > 0, or a negative value to disable")
         scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
-        requests = generate_requests(args.workload_spec, args.seed, num_requests=args.num_requests,
-                                     horizon_us=args.horizon, timeout_s=args.timeout)
+        generated = generate_workload(args.workload_spec, args.seed, num_requests=args.num_requests,
+                                      horizon_us=args.horizon, timeout_s=args.timeout, sessions="first_round")
+        requests = generated.requests
+        if generated.sessions:
+            requests, sessions = closed_loop_requests(generated)
     else:
         workload = run_workload(args, diag)
         scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
@@ -561,10 +703,7 @@ def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     if len(requests) == 0:
         raise ConfigError("no requests to simulate: --horizon is shorter than one inter-arrival time "
                           "(1/--rate); raise --horizon or --rate")
-    out = simulate(scenario, requests, args, stderr)
-    header = TraceHeader(mode="generated", workload_seed=args.seed)
-    write_outputs(args, requests, out, header, stdout)
-    return 0
+    return scenario, requests, sessions
 
 
 def cmd_replay(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
@@ -579,7 +718,139 @@ def cmd_replay(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable] = {"run": cmd_run, "replay": cmd_replay}
+def _check_output_file(flag: str, value: str | None) -> None:
+    if value is None:
+        return
+    if value == "":
+        raise ConfigError(f"{flag}: empty path; give a file name or omit the flag")
+    parent = Path(value).parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {value}: directory {str(parent)!r} does not exist; create it first")
+
+
+def _load_spec_file(flag: str, path: str):
+    from blis_jax.workload.spec import load_spec
+
+    try:
+        return load_spec(path)
+    except ConfigError as e:
+        # load_spec's messages name run's flag; name this command's flag instead.
+        message, run_flag = str(e), "--workload-spec "
+        raise ConfigError(f"{flag} {message[len(run_flag):]}" if message.startswith(run_flag) else message) from None
+
+
+def _emit_spec(spec, output: str | None, stdout: TextIO) -> None:
+    from blis_jax.workload.convert import dump_spec
+
+    text = dump_spec(spec)
+    if output:
+        Path(output).write_text(text)
+    else:
+        stdout.write(text)
+        stdout.flush()
+
+
+def cmd_convert(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    from blis_jax.workload.convert import convert_inference_perf, convert_preset
+
+    _check_output_file("--output", args.output)
+    if args.convert_kind == "preset":
+        spec = convert_preset(args.name, rate=args.rate, num_requests=args.num_requests)
+    else:
+        source = _load_spec_file("--spec", args.spec)
+        try:
+            spec = convert_inference_perf(source)
+        except ConfigError as e:
+            raise ConfigError(f"--spec {args.spec}: {e}") from None
+    _emit_spec(spec, args.output, stdout)
+    return 0
+
+
+def cmd_compose(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    from blis_jax.workload.convert import compose
+
+    _check_output_file("--output", args.output)
+    specs = [_load_spec_file("--from", path) for path in args.from_specs]
+    try:
+        spec = compose(specs)
+    except ConfigError as e:
+        message = str(e)
+        for i, path in enumerate(args.from_specs):  # compose names inputs by position
+            message = message.replace(f"from[{i}]", f"--from {path}")
+        raise ConfigError(message) from None
+    _emit_spec(spec, args.output, stdout)
+    return 0
+
+
+def _header_rtt_us(header: TraceHeader) -> float:
+    """network.measured_rtt_ms of a trace header, in µs (0 when absent)."""
+    network = header.extra.get("network") or {}
+    value = network.get("measured_rtt_ms") if isinstance(network, dict) else None
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"trace header network.measured_rtt_ms: {value!r} must be a number ≥ 0 "
+                          "(or pass --network-rtt-us)")
+    return float(value) * 1000.0
+
+
+def _observed_hit_rate(header: TraceHeader, diag: Diagnostics) -> float | None:
+    observed = header.extra.get("observed_kv_metrics") or {}
+    value = observed.get("hit_rate") if isinstance(observed, dict) else None
+    if value is None:
+        diag.warn("--sim-metrics given but the trace header has no observed_kv_metrics.hit_rate; "
+                  "the KV hit-rate comparison is skipped")
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"trace header observed_kv_metrics.hit_rate: {value!r} must be a fraction in [0, 1]")
+    return float(value)
+
+
+def cmd_calibrate(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    from blis_jax import calibrate
+    from blis_jax.output import go_json
+
+    _check_output_file("--report", args.report)
+    if args.warmup_requests < -1:
+        raise ConfigError(f"--warmup-requests {args.warmup_requests}: must be ≥ 0 (-1 = the trace header's)")
+    rtt = args.network_rtt_us
+    if not math.isfinite(rtt) or (rtt < 0 and rtt != -1):
+        raise ConfigError(f"--network-rtt-us {rtt:g}: must be ≥ 0 µs (-1 = the trace header's)")
+    for flag, value in (("--network-bandwidth-mbps", args.network_bandwidth_mbps),
+                        ("--hit-rate-tolerance-pp", args.hit_rate_tolerance_pp),
+                        ("--ttft-mape-threshold", args.ttft_mape_threshold)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{flag} {value:g}: must be a number ≥ 0")
+    header, requests = read_trace(args.trace_header, args.trace_data)
+    observed = calibrate.observed_from_trace(requests, source=f"--trace-data {args.trace_data}")
+    sim = calibrate.read_sim_results(args.sim_results)
+    warmup = header.warm_up_requests if args.warmup_requests == -1 else args.warmup_requests
+    network = calibrate.NetworkModel(rtt_us=_header_rtt_us(header) if rtt == -1 else rtt,
+                                     bandwidth_mbps=args.network_bandwidth_mbps)
+    hit_rates = None
+    if args.sim_metrics:
+        sim_hit_rate = calibrate.read_sim_hit_rate(args.sim_metrics)
+        real_hit_rate = _observed_hit_rate(header, diag)
+        hit_rates = None if real_hit_rate is None else (real_hit_rate, sim_hit_rate)
+    pairs = calibrate.pair_records(observed, sim, warmup_requests=warmup, network=network)
+    report = calibrate.calibration_report(
+        pairs, network, goodput_targets=header.goodput_slo_targets, hit_rates=hit_rates,
+        hit_rate_tolerance_pp=args.hit_rate_tolerance_pp, ttft_mape_threshold=args.ttft_mape_threshold)
+    Path(args.report).write_text(go_json(report) + "\n")
+    stdout.write(calibrate.format_summary(report))
+    stdout.flush()
+    if not report["checks"]["ttft_mape_within_threshold"]:
+        diag.warn(f"TTFT MAPE {report['metrics']['ttft']['mape']} exceeds --ttft-mape-threshold "
+                  f"{args.ttft_mape_threshold:g}")
+    if pairs.unmatched_real:
+        diag.warn(f"{pairs.unmatched_real} observed ok record(s) have no simulated result (timed out, "
+                  "dropped or cut by the horizon in the simulation) and are not compared")
+    return 0
+
+
+COMMANDS: dict[str, Callable] = {"run": cmd_run, "replay": cmd_replay, "convert": cmd_convert,
+                                 "compose": cmd_compose, "calibrate": cmd_calibrate,
+                                 "sweep": cmd_sweep, "plan": cmd_plan}
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
@@ -597,6 +868,10 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
     except SystemExit as e:  # --help / --version
         return int(e.code or 0)
     diag = Diagnostics(stderr, level=args.log)
+    if argv is None and not args.no_compile_cache:  # a real command line, not a library call
+        from blis_jax.compile_cache import enable_compile_cache
+
+        enable_compile_cache(diag)
     try:
         return COMMANDS[args.command](args, stdout, stderr, diag)
     except ConfigError as e:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from blis_jax.engine import kv, waitqueue
 from blis_jax.engine.dims import EngineDims
+from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import EngineParams
 from blis_jax.engine.state import (
     QUEUED,
@@ -93,34 +94,36 @@ def _victim_slot(state: EngineState, dims: EngineDims, req: RequestArrays):
     return dims.batch_slots - 1 - jnp.argmax(key[::-1])
 
 
-def _schedule_running_exact(state, dims, params, req, budget):
-    """Phase 1 request by request, preempting on allocation failure. Each iteration either
-    allocates for request i or preempts one victim and retries."""
+def _schedule_running_exact(state, dims, params, req, budget, needed):
+    """Phase 1 request by request, preempting on allocation failure (only where `needed`).
+    Each iteration either allocates for request i or preempts one victim and retries."""
 
-    def cond(c):
+    def cond(c, ops):
         state, i, budget, _, stop = c
-        return ~stop & (i < state.batch_len) & (budget > 0)
+        return ops[2] & ~stop & (i < state.batch_len) & (budget > 0)
 
-    def body(c):
-        state, i, budget, preempted, _ = c
+    def body(c, ops, on):
+        params, req, _ = ops
+        state, i, budget, preempted, stop = c
         row = state.batch_rows[i]
         want = wanted_tokens(state, params, req, row[None], jnp.asarray([True]))[0]
         n = jnp.minimum(want, budget)
         need = kv.blocks_needed(dims, state.row_nblocks[row], state.row_kv_tokens[row], n, state.row_offset[row])
         fits = need <= state.free_count
-        state = kv.allocate_rows(state, dims, req, row[None], n[None], (fits & (n > 0))[None], params.total_kv_blocks)
+        state = kv.allocate_rows(state, dims, req, row[None], n[None], (on & fits & (n > 0))[None],
+                                 params.total_kv_blocks)
         state = dataclasses.replace(
-            state, row_new=state.row_new.at[jnp.where(fits, row, dims.rows)].set(n, mode="drop")
+            state, row_new=state.row_new.at[jnp.where(on & fits, row, dims.rows)].set(n, mode="drop")
         )
         victim = _victim_slot(state, dims, req)
-        state, budget = _preempt(state, dims, req, victim, jnp.where(fits, budget - n, budget), ~fits)
+        state, new_budget = _preempt(state, dims, req, victim, jnp.where(fits, budget - n, budget), on & ~fits)
         # the requester itself was the victim: its allocation fails and phase 1 ends
-        stop = ~fits & (victim == i)
-        i = jnp.where(fits, i + 1, jnp.where(victim < i, i - 1, i))
-        return state, i, budget, preempted | ~fits, stop
+        next_i = jnp.where(fits, i + 1, jnp.where(victim < i, i - 1, i))
+        return (state, jnp.where(on, next_i, i), jnp.where(on, new_budget, budget), preempted | (on & ~fits),
+                stop | (on & ~fits & (victim == i)))
 
-    state, _, budget, preempted, _ = jax.lax.while_loop(
-        cond, body, (state, jnp.int32(0), budget, jnp.asarray(False), jnp.asarray(False))
+    state, _, budget, preempted, _ = masked_while(
+        cond, body, (state, jnp.int32(0), budget, jnp.asarray(False), jnp.asarray(False)), (params, req, needed)
     )
     return state, budget, preempted
 
@@ -143,20 +146,8 @@ def schedule_running(state: EngineState, dims: EngineDims, params: EngineParams,
     row_new = state.row_new.at[jnp.where(valid & fits, rows, dims.rows)].set(n, mode="drop")
     state = dataclasses.replace(state, row_new=row_new)
     budget_left = jnp.where(fits, budget - jnp.sum(n), budget)
-
-    # Exact pass only when the blocks do not fit; a while_loop runs only for lanes that need it.
-    def cond(c):
-        return c[3]
-
-    def body(c):
-        state, budget, _, _ = c
-        state, budget, preempted = _schedule_running_exact(state, dims, params, req, budget)
-        return state, budget, preempted, jnp.asarray(False)
-
-    state, budget_left, preempted, _ = jax.lax.while_loop(
-        cond, body, (state, budget_left, jnp.asarray(False), active & ~fits)
-    )
-    return state, budget_left, preempted
+    # Exact pass only when the blocks do not fit (a loop with no iterations otherwise).
+    return _schedule_running_exact(state, dims, params, req, budget_left, active & ~fits)
 
 
 def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, budget, preempted,
@@ -164,13 +155,15 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
     """Phase 2: admit queue heads while batch room, budget and KV blocks allow."""
     bs = dims.block_size
 
-    def cond(c):
+    def cond(c, ops):
+        params, _, active, preempted = ops
         state, budget, stop = c
         return (active & ~stop & ~preempted & (state.batch_len < params.max_num_seqs) & (state.wait_len > 0)
                 & (budget > 0))
 
-    def body(c):
-        state, budget, _ = c
+    def body(c, ops, on):
+        params, req, _, _ = ops
+        state, budget, stop = c
         state, r, _ = waitqueue.head(state, dims)
         n_hit, cached = kv.cached_prefix(state, dims, req, r)
         start = n_hit * bs
@@ -184,7 +177,7 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         n_claim = jnp.where(n > 0, n_hit, 0)
         j = jnp.arange(dims.blocks_per_request)
         cached_on_free_list = jnp.sum((j < n_claim) & state.block_free[jnp.maximum(cached, 0)])
-        admit = (n + bs - 1) // bs + cached_on_free_list <= state.free_count
+        admit = on & ((n + bs - 1) // bs + cached_on_free_list <= state.free_count)
 
         old_row = row_of(state, r)
         free_row = jnp.argmax(state.row_state == ROW_FREE)
@@ -216,7 +209,7 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             batch_len=state.batch_len + admit,
         )
         state = set_row(set_status(state, r, RUNNING, admit), r, row, admit)
-        return state, jnp.where(admit, budget - n, budget), ~admit
+        return state, jnp.where(admit, budget - n, budget), stop | (on & ~admit)
 
-    state, budget, _ = jax.lax.while_loop(cond, body, (state, budget, jnp.asarray(False)))
+    state, budget, _ = masked_while(cond, body, (state, budget, jnp.asarray(False)), (params, req, active, preempted))
     return state

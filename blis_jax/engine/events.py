@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from blis_jax import latency
 from blis_jax.engine import batch, kv, results, sessions, waitqueue
 from blis_jax.engine.dims import EngineDims
+from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.state import (
     COMPLETED,
@@ -270,9 +271,13 @@ def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams,
         jnp.where(leaving, jnp.cumsum(leaving) - 1, dims.batch_slots)
     ].set(slots, mode="drop")
     n_leaving = jnp.sum(leaving)
-    post_us = latency.post_decode_time_us(model)
+    def more(c, ops):
+        return c[0] < ops[0]
 
-    def body(k, state):
+    def body(c, ops, on):
+        _, params, req, model, order, rows, r, done, progress, input_len, output_len, step_us = ops
+        mml, post_us = params.max_model_len, latency.post_decode_time_us(model)
+        k, state = c
         slot = jnp.minimum(order[k], dims.batch_slots - 1)
         row, rq = rows[slot], r[slot]
         is_done = done[slot]
@@ -280,25 +285,28 @@ def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams,
         out = output_len[slot]
         final_slot = is_done & (out > 0) & (prog < input_len[slot] + out)
         need = kv.blocks_needed(dims, state.row_nblocks[row], state.row_kv_tokens[row], 1, state.row_offset[row])
-        can = final_slot & (need <= state.free_count)
+        can = on & final_slot & (need <= state.free_count)
         state = kv.allocate_rows(state, dims, req, row[None], jnp.ones(1, jnp.int64), can[None], params.total_kv_blocks)
-        state = kv.release_row(state, dims, row)
+        state = kv.release_row(state, dims, row, on)
         generated = prog - input_len[slot]
         tokens = jnp.where(is_done, generated + (generated < out), mml - 1 - input_len[slot])
         e2e = state.row_ttft[row] + state.row_itl_sum[row] + jnp.where(out > 0, post_us, 0)
         status = jnp.where(is_done, COMPLETED, LENGTH_CAPPED)
-        state = log_exit(state, dims, rq, status, True, row=row, e2e=e2e, output_tokens=tokens)
-        state = set_row(set_status(state, rq, status, True), rq, -1, True)
-        state = sessions.on_completion(state, params, req, model, rq, state.now + step_us, True)
-        return dataclasses.replace(
+        state = log_exit(state, dims, rq, status, on, row=row, e2e=e2e, output_tokens=tokens)
+        state = set_row(set_status(state, rq, status, on), rq, -1, on)
+        state = sessions.on_completion(state, params, req, model, rq, state.now + step_us, on)
+        at_row = jnp.where(on, row, dims.rows)
+        return k + on, dataclasses.replace(
             state,
-            length_capped=state.length_capped + ~is_done,
-            kv_alloc_failures=state.kv_alloc_failures + (final_slot & ~can),
-            row_state=state.row_state.at[row].set(ROW_FREE),
-            row_req=state.row_req.at[row].set(-1),
+            length_capped=state.length_capped + (on & ~is_done),
+            kv_alloc_failures=state.kv_alloc_failures + (on & final_slot & ~can),
+            row_state=state.row_state.at[at_row].set(ROW_FREE, mode="drop"),
+            row_req=state.row_req.at[at_row].set(-1, mode="drop"),
         )
 
-    state = jax.lax.fori_loop(0, n_leaving, body, state)
+    _, state = masked_while(more, body, (jnp.int32(0), state),
+                            (n_leaving, params, req, model, order, rows, r, done, progress, input_len, output_len,
+                             step_us))
     state = batch.remove_batch_slots(state, dims, leaving)
     left_at = state.now + step_us
     return dataclasses.replace(

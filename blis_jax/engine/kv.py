@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from blis_jax.engine import results
 from blis_jax.engine.dims import EngineDims
+from blis_jax.engine.loops import masked_while
 from blis_jax.engine.state import NO_KEY, EngineState, RequestArrays, row_of
 
 
@@ -78,11 +79,17 @@ def _ensure_ring_room(state: EngineState, dims: EngineDims, incoming) -> EngineS
     def needs(s):
         return s.ring_tail - s.ring_head + incoming > dims.free_ring
 
-    # A while_loop (not cond) so that under vmap the O(ring) compaction runs only when needed.
-    state = jax.lax.while_loop(
-        lambda c: needs(c[0]) & ~c[1], lambda c: (_compact_ring(c[0], dims), jnp.asarray(True)),
-        (state, jnp.asarray(False)),
-    )[0]
+    def compact(c, _, on):
+        s, _ = c
+        new = _compact_ring(s, dims)
+        keep = lambda a, b: jnp.where(on, a, b)  # noqa: E731
+        s = dataclasses.replace(s, ring=keep(new.ring, s.ring), ring_pos=keep(new.ring_pos, s.ring_pos),
+                                ring_head=keep(new.ring_head, s.ring_head), ring_tail=keep(new.ring_tail, s.ring_tail))
+        return s, c[1] | on
+
+    # A loop (not cond) so that under vmap the O(ring) compaction runs only when needed.
+    state = masked_while(lambda c, extra: (c[0].ring_tail - c[0].ring_head + extra > dims.free_ring) & ~c[1],
+                         compact, (state, jnp.asarray(False)), incoming)[0]
     return dataclasses.replace(
         state, result=state.result | jnp.where(needs(state), results.FREE_RING_FULL, 0).astype(jnp.int32)
     )
@@ -102,23 +109,25 @@ def pop_blocks(state: EngineState, dims: EngineDims, count, total_kv_blocks, max
 
     # The loop carries the state (read-only here) instead of capturing it: a captured block
     # array that is updated after the loop would be copied by XLA on every call.
-    def cond(c):
+    def cond(c, ops):
         _, got, head, s = c
+        need, _ = ops
         return (got < need) & (head < s.ring_tail)
 
-    def body(c):
+    def body(c, ops, on):
         ids, got, head, s = c
+        need, n_fresh = ops
         pos = head + slot
         entry, valid = _ring_entry_valid(s, dims, pos)
         rank = jnp.cumsum(valid)
-        take = valid & (rank <= need - got)
+        take = on & valid & (rank <= need - got)
         ids = ids.at[jnp.where(take, n_fresh + got + rank - 1, m)].set(entry, mode="drop")
         taken = jnp.sum(take)
         last = jnp.max(jnp.where(take, slot, -1))
-        head = jnp.where(got + taken >= need, head + last + 1, jnp.minimum(head + m, s.ring_tail))
-        return ids, got + taken, head, s
+        next_head = jnp.where(got + taken >= need, head + last + 1, jnp.minimum(head + m, s.ring_tail))
+        return ids, got + taken, jnp.where(on, next_head, head), s
 
-    ids, _, head, state = jax.lax.while_loop(cond, body, (ids, jnp.int64(0), state.ring_head, state))
+    ids, _, head, state = masked_while(cond, body, (ids, jnp.int64(0), state.ring_head, state), (need, n_fresh))
     live = slot < count
     target = jnp.where(live, ids, dims.kv_blocks)
     state = dataclasses.replace(

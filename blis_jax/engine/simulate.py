@@ -21,6 +21,7 @@ from blis_jax import latency
 from blis_jax.engine import events, results
 from blis_jax.engine.dims import EngineDims, choose_dims
 from blis_jax.engine.itl_log import ItlLogReader
+from blis_jax.engine.loops import masked_while
 from blis_jax.engine.output import SimOutput
 from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.state import EngineState, RequestArrays, init_state
@@ -82,29 +83,32 @@ def start(dims: EngineDims, params: EngineParams, req: RequestArrays, model) -> 
     return init_state(dims, req, enqueue_time, params.horizon_us, params.total_kv_blocks)
 
 
-def _body(state: EngineState, dims, params, req, model) -> EngineState:
-    """One engine step, after every enqueue and timeout event that comes before it.
+def _body(state: EngineState, dims, params, req, model, active=True) -> EngineState:
+    """One engine step, after every enqueue and timeout event that comes before it; a no-op
+    when `active` is False.
 
     Enqueues and timeouts are cheap; running them in an inner loop means the (vector-heavy)
     step logic executes once per step rather than once per event.
     """
 
-    def due(time):
+    def due(time, params):
         return (time <= params.horizon_us) & (time < INF_TIME)
 
-    def before_step(s):
+    def before_step(s, ops):
+        params, req, _, lane_active = ops
         kind, time = events.next_event(s, req)
-        return (kind != events.STEP) & due(time) & ((s.result & results.GROWABLE) == 0)
+        return lane_active & (kind != events.STEP) & due(time, params) & ((s.result & results.GROWABLE) == 0)
 
-    def other_event(s):
+    def other_event(s, ops, on):
+        params, req, model, _ = ops
         kind, _ = events.next_event(s, req)
-        s = events.enqueue(s, dims, params, req, model, kind == events.ENQUEUE)
-        s = events.timeout(s, dims, params, req, model, kind == events.TIMEOUT)
-        return dataclasses.replace(s, events=s.events + 1)
+        s = events.enqueue(s, dims, params, req, model, on & (kind == events.ENQUEUE))
+        s = events.timeout(s, dims, params, req, model, on & (kind == events.TIMEOUT))
+        return dataclasses.replace(s, events=s.events + on)
 
-    state = jax.lax.while_loop(before_step, other_event, state)
+    state = masked_while(before_step, other_event, state, (params, req, model, jnp.asarray(active)))
     kind, time = events.next_event(state, req)
-    go = (kind == events.STEP) & due(time) & ((state.result & results.GROWABLE) == 0)
+    go = active & (kind == events.STEP) & due(time, params) & ((state.result & results.GROWABLE) == 0)
     state = events.step(state, dims, params, req, model, go)
     return dataclasses.replace(state, events=state.events + go)
 
@@ -114,24 +118,28 @@ def finished(state: EngineState, params: EngineParams, req: RequestArrays):
     return (time > params.horizon_us) | (time >= INF_TIME) | ((state.result & results.GROWABLE) != 0)
 
 
+def _run(dims: EngineDims, state: EngineState, params, req, model, event_limit) -> EngineState:
+    def cond(s, ops):
+        params, req, _, limit = ops
+        return ~finished(s, params, req) & (s.events < limit)
+
+    def body(s, ops, on):
+        params, req, model, _ = ops
+        return _body(s, dims, params, req, model, on)
+
+    return masked_while(cond, body, state, (params, req, model, event_limit))
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def advance(dims: EngineDims, state: EngineState, params: EngineParams, req: RequestArrays, model, event_limit):
     """Process events until the run is over or `event_limit` events have been processed."""
-
-    def cond(s):
-        return ~finished(s, params, req) & (s.events < event_limit)
-
-    return jax.lax.while_loop(cond, lambda s: _body(s, dims, params, req, model), state)
+    return _run(dims, state, params, req, model, event_limit)
 
 
 def run_to_end(dims: EngineDims, params: EngineParams, req: RequestArrays, model) -> EngineState:
     """Whole run in one traced function (for vmap over scenarios and for jit-vs-nojit tests)."""
     state = start.__wrapped__(dims, params, req, model)
-
-    def cond(s):
-        return ~finished(s, params, req)
-
-    return jax.lax.while_loop(cond, lambda s: _body(s, dims, params, req, model), state)
+    return _run(dims, state, params, req, model, jnp.asarray(INF_TIME, jnp.int64))
 
 
 def simulate_instance(

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from blis_jax.engine import results
 from blis_jax.engine.dims import EngineDims
+from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import INF_TIME
 from blis_jax.engine.state import QUEUED, EngineState, RequestArrays
 
@@ -49,11 +50,11 @@ def push_front(state: EngineState, dims: EngineDims, req: RequestArrays, r, acti
 def _skip_gone(state: EngineState) -> EngineState:
     # The loop carries the whole state (unchanged but for fifo_head) rather than reading it by
     # closure: a closure capture of `status` would make XLA copy that per-request array.
-    def gone(s):
+    def gone(s, _):
         slot = s.fifo_head & (s.win_status.shape[0] - 1)
         return (s.fifo_head < s.enq_pos) & (s.win_status[slot] != QUEUED)
 
-    return jax.lax.while_loop(gone, lambda s: dataclasses.replace(s, fifo_head=s.fifo_head + 1), state)
+    return masked_while(gone, lambda s, _, on: dataclasses.replace(s, fifo_head=s.fifo_head + on), state)
 
 
 def head(state: EngineState, dims: EngineDims):
@@ -101,7 +102,9 @@ def remove(state: EngineState, dims: EngineDims, r, active) -> EngineState:
     keep = (idx < state.front_len) & ~(active & (state.front == r))
     dest = jnp.where(keep, jnp.cumsum(keep) - 1, dims.preempted_slots)
     front = jnp.full_like(state.front, -1).at[dest].set(state.front, mode="drop")
-    return dataclasses.replace(state, front=front, front_len=jnp.sum(keep).astype(jnp.int32))
+    # untouched when inactive (not even the dead entries past front_len): handlers are no-ops
+    return dataclasses.replace(state, front=jnp.where(active, front, state.front),
+                               front_len=jnp.where(active, jnp.sum(keep), state.front_len).astype(jnp.int32))
 
 
 def _window_insert(state: EngineState, dims: EngineDims, req: RequestArrays, r, active) -> EngineState:

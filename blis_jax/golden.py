@@ -1,0 +1,193 @@
+"""BLIS's golden experiments: 15 inference-perf workloads on H100 × {trained-physics, roofline}.
+
+Each experiment (BLIS `testdata/trained_physics_iter29.json`, `roofline_goldendataset.json`)
+names a model, TP, KV blocks, batch limits and a workload spec with multi-turn chat, and BLIS's
+resulting metrics. `run_flags` turns an experiment into the `blis-jax run` command line that
+reproduces it; `run_experiments` runs many of them (batched where their shapes allow) through
+exactly the same resolution code as `run` and returns the `run` metrics block of each.
+
+Acceptance (issue "golden check"): completed requests and token totals equal BLIS's (the lengths
+are fixed); TTFT / E2E / ITL means within 2 % and p90 / p99 within 5 % (arrival streams come
+from different random generators).
+
+`python -m blis_jax.golden --reference DIR --write golden/` regenerates our own expected outputs
+(`golden/<latency model>.json`), which the tests compare exactly, for regression.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import yaml
+
+from blis_jax.errors import ConfigError
+
+REFERENCE_FILES = {"trained-physics": "trained_physics_iter29.json", "roofline": "roofline_goldendataset.json"}
+EXACT_FIELDS = ("completed_requests", "total_input_tokens", "total_output_tokens")
+TOLERANCES = {"ttft_mean_ms": 0.02, "e2e_mean_ms": 0.02, "itl_mean_ms": 0.02,
+              "ttft_p90_ms": 0.05, "ttft_p99_ms": 0.05, "e2e_p90_ms": 0.05, "e2e_p99_ms": 0.05}
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenExperiment:
+    id: str
+    latency_model: str
+    model: str
+    hardware: str
+    tp: int
+    total_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    workload: dict
+    expected: dict
+
+    @property
+    def name(self) -> str:
+        return f"{self.latency_model}:{self.id}"
+
+
+def load_experiments(testdata_dir: str | Path, latency_model: str) -> list[GoldenExperiment]:
+    if latency_model not in REFERENCE_FILES:
+        raise ConfigError(f"latency model {latency_model!r}: golden data exists for {', '.join(REFERENCE_FILES)}")
+    path = Path(testdata_dir) / REFERENCE_FILES[latency_model]
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read BLIS's golden dataset ({e.strerror}); pass --reference "
+                          "with the directory holding it (../shared/reference/blis/testdata)") from None
+    return [GoldenExperiment(id=str(e["id"]), latency_model=latency_model, model=e["model"], hardware=e["hardware"],
+                             tp=int(e["tp"]), total_kv_blocks=int(e["total_kv_blocks"]),
+                             max_num_seqs=int(e["max_num_seqs"]), max_num_batched_tokens=int(e["max_num_batched_tokens"]),
+                             workload=e["workload"], expected=e["expected"])
+            for e in data["experiments"]]
+
+
+def write_spec(exp: GoldenExperiment, directory: str | Path) -> Path:
+    """The experiment's workload as a spec file for `--workload-spec`."""
+    path = Path(directory) / f"golden-{exp.latency_model}-{exp.id}.yaml"
+    path.write_text(yaml.safe_dump(exp.workload, sort_keys=False))
+    return path
+
+
+def run_flags(exp: GoldenExperiment, spec_path: str | Path) -> list[str]:
+    """`blis-jax run` flags that reproduce the experiment (BLIS's own flag names)."""
+    return ["run", "--model", exp.model, "--hardware", exp.hardware, "--tp", str(exp.tp),
+            "--latency-model", exp.latency_model, "--total-kv-blocks", str(exp.total_kv_blocks),
+            "--max-num-seqs", str(exp.max_num_seqs), "--max-num-batched-tokens", str(exp.max_num_batched_tokens),
+            "--workload-spec", str(spec_path)]
+
+
+def resolve(exp: GoldenExperiment, workdir: str | Path):
+    """(scenario, requests, session links) exactly as `blis-jax run` resolves the experiment."""
+    from blis_jax import cli
+
+    args = cli.build_parser().parse_args(run_flags(exp, write_spec(exp, workdir)))
+    return cli.resolve_run_sessions(args, cli.Diagnostics(io.StringIO()))
+
+
+def run_experiments(experiments: Sequence[GoldenExperiment], workdir: str | Path, *, batched: bool = True,
+                    progress: Callable[[str], None] | None = None) -> list[dict]:
+    """The `run` metrics block of each experiment (batched: one vmapped program per shape group)."""
+    from blis_jax.engine.simulate import simulate_sessions
+    from blis_jax.metrics import metrics_output
+
+    resolved = [resolve(exp, workdir) for exp in experiments]
+    if batched:
+        from blis_jax.engine.many import simulate_many_sessions
+
+        lanes = [(requests, links, _params(scenario), scenario.latency_model) for scenario, requests, links in resolved]
+        outputs = simulate_many_sessions(lanes, progress=progress)
+    else:
+        outputs = []
+        for exp, (scenario, requests, links) in zip(experiments, resolved):
+            if progress is not None:
+                progress(f"{exp.name}: {len(requests)} requests")
+            outputs.append(simulate_sessions(requests, links, _params(scenario), scenario.latency_model))
+    metrics = []
+    for final, out in outputs:
+        if out.result != 0:
+            raise RuntimeError(f"golden run stopped with result code {out.result}")
+        metrics.append(metrics_output(out, final))
+    return metrics
+
+
+def _params(scenario):
+    from blis_jax.cli import engine_params
+
+    return engine_params(scenario)
+
+
+def compare(exp: GoldenExperiment, metrics: dict) -> list[str]:
+    """Differences from BLIS beyond the acceptance tolerances (empty: the experiment passes)."""
+    problems = []
+    for key in EXACT_FIELDS:
+        if metrics[key] != exp.expected[key]:
+            problems.append(f"{exp.name} {key}: {metrics[key]} != BLIS {exp.expected[key]}")
+    for key, tol in TOLERANCES.items():
+        if key not in exp.expected:
+            continue
+        rel = metrics[key] / exp.expected[key] - 1.0
+        if abs(rel) > tol:
+            problems.append(f"{exp.name} {key}: {metrics[key]:.4f} vs BLIS {exp.expected[key]:.4f} "
+                            f"({rel:+.2%}, tolerance {tol:.0%})")
+    return problems
+
+
+def relative_errors(exp: GoldenExperiment, metrics: dict) -> dict[str, float]:
+    return {key: metrics[key] / exp.expected[key] - 1.0 for key in TOLERANCES if key in exp.expected}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from blis_jax import __version__
+
+    parser = argparse.ArgumentParser(prog="python -m blis_jax.golden", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reference", default="../shared/reference/blis/testdata",
+                        help="directory of BLIS's golden datasets")
+    parser.add_argument("--latency-model", action="append", choices=sorted(REFERENCE_FILES),
+                        help="latency model(s) to run (default: both)")
+    parser.add_argument("--write", metavar="DIR", help="write our outputs to DIR/<latency model>.json")
+    parser.add_argument("--single", action="store_true", help="one run per experiment instead of batches")
+    args = parser.parse_args(argv)
+    import tempfile
+
+    failures = 0
+    for kind in args.latency_model or sorted(REFERENCE_FILES):
+        experiments = load_experiments(args.reference, kind)
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            metrics = run_experiments(experiments, tmp, batched=not args.single,
+                                      progress=lambda line: print(line, file=sys.stderr))
+        wall = time.perf_counter() - start
+        print(f"{kind}: {len(experiments)} experiments in {wall:.1f} s")
+        for exp, m in zip(experiments, metrics):
+            problems = compare(exp, m)
+            failures += len(problems)
+            errs = relative_errors(exp, m)
+            print(f"  {exp.id:>16} {'ok  ' if not problems else 'FAIL'} " +
+                  " ".join(f"{k.removesuffix('_ms')}={v:+.2%}" for k, v in errs.items()))
+            for p in problems:
+                print(f"    {p}")
+        if args.write:
+            out = Path(args.write) / f"{kind}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({
+                "generated_by": f"blis-jax {__version__} (python -m blis_jax.golden --write)",
+                "latency_model": kind,
+                "note": "our own outputs for BLIS's golden experiments, for regression; BLIS's numbers are in "
+                        f"../shared/reference/blis/testdata/{REFERENCE_FILES[kind]}",
+                "experiments": {exp.id: {"flags": run_flags(exp, f"<workload of experiment {exp.id}>"), "metrics": m}
+                                for exp, m in zip(experiments, metrics)},
+            }, indent=1) + "\n")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

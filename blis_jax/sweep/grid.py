@@ -1,0 +1,293 @@
+"""Sweep grid YAML → validated `Grid` → one `ScenarioSpec` per scenario.
+
+    base:                 # settings of every scenario: `blis-jax run` flag names, no dashes
+      model: meta-llama/llama-3.1-8b-instruct
+      num-requests: 1000
+    axes:                 # cartesian product, first axis varies slowest (no axes: base alone) ...
+      rate: [5, 10, 20]
+      max-num-seqs: [64, 256]
+    # scenarios:          # ... or an explicit list (every entry sets the same keys)
+    #   - {model: qwen/qwen3-14b, tp: 1}
+    plots:                # optional: metric against one axis, one line per value of another
+      - {metric: ttft_p99_ms, x: rate, lines: max-num-seqs}
+
+An axis is any run setting (numbers, or categorical strings such as model or hardware) or a
+coefficient axis (`alpha[i]`, `beta[i]`, `alpha-scale`, `beta-scale`). Validation is strict:
+an unknown key or a mistyped value raises a ConfigError naming it and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from blis_jax.errors import ConfigError
+from blis_jax.sweep import coefficient_axes, settings
+from blis_jax.sweep.table import METRICS
+from blis_jax.workload.spec import load_yaml
+
+TOP_KEYS = ("base", "axes", "scenarios", "plots")
+PLOT_KEYS = ("metric", "x", "lines")
+# Settings that name files: a relative path is relative to the grid file.
+PATH_SETTINGS = ("workload-spec", "coefficients")
+# Settings that may name a file or a bundled id: relative to the grid file when that file exists.
+MAYBE_PATH_SETTINGS = ("model", "hardware")
+CLUSTERS_NOT_YET = ("clusters (num-instances > 1) are not implemented yet (issue 4); only "
+                    "num-instances 1 can be simulated for now")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlotSpec:
+    metric: str
+    x: str
+    lines: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScenarioSpec:
+    """Scenario `index`: its axis values and the run settings ({key: flag token}) they give."""
+
+    index: int
+    values: Mapping[str, Any]
+    settings: Mapping[str, str]
+
+    @property
+    def label(self) -> str:
+        return scenario_label(self.index, self.values)
+
+
+def scenario_label(index: int, values: Mapping[str, Any]) -> str:
+    """'scenario 3 (rate=8, seed=2)': how errors and warnings name a scenario."""
+    text = ", ".join(f"{k}={v}" for k, v in values.items())
+    return f"scenario {index}" + (f" ({text})" if text else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """A validated grid: base settings (flag tokens), axis keys, one value combination per
+    scenario, and plots."""
+
+    base: Mapping[str, str]
+    axes: tuple[str, ...]
+    combos: tuple[Mapping[str, Any], ...]
+    plots: tuple[PlotSpec, ...] = ()
+    source: str = "grid"
+
+    def scenarios(self) -> list[ScenarioSpec]:
+        out = []
+        for i, combo in enumerate(self.combos):
+            values = dict(combo)
+            where = f"{self.source}: {scenario_label(i, values)}"
+            tokens = dict(self.base)
+            for key, value in values.items():
+                if not coefficient_axes.is_coefficient_axis(key):
+                    tokens[key] = settings.value_token(key, value, where)
+            tokens = coefficient_axes.apply(tokens, values, where)
+            out.append(ScenarioSpec(index=i, values=values, settings=tokens))
+        return out
+
+    def with_axis(self, key: str, values: list[Any]) -> Grid:
+        """This grid with axis `key` replaced (or added as the innermost axis) by `values`."""
+        key = _axis_key(key, "--search")
+        _check_axis_values(key, values, f"{self.source}: axes.{key}")
+        others = [a for a in self.axes if a != key]
+        rest = _unique_combos(self.combos, others)
+        combos = tuple({**c, key: v} for c in rest for v in values)
+        return dataclasses.replace(self, axes=(*others, key), combos=combos)
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _unique_combos(combos, keys) -> list[dict]:
+    seen: dict[tuple, dict] = {}
+    for c in combos:
+        sub = {k: c[k] for k in keys}
+        seen.setdefault(tuple(_hashable(v) for v in sub.values()), sub)
+    return list(seen.values())
+
+
+def load_grid(path: str | Path) -> Grid:
+    """Read and validate a grid YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"grid {path}: cannot read it ({e.strerror or e})") from None
+    return parse_grid(load_yaml(text, source=f"grid {path}"), source=str(path), root=path.parent)
+
+
+def parse_grid(data: Any, source: str = "grid", root: Path | None = None) -> Grid:
+    """Validate a grid mapping (already parsed YAML); `root` resolves relative file settings."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: the grid must be a mapping with keys {', '.join(TOP_KEYS)}")
+    _check_keys(data, TOP_KEYS, source)
+    base = _parse_base(data.get("base") or {}, source, root)
+    has_axes, has_list = "axes" in data, "scenarios" in data
+    if has_axes and has_list:
+        raise ConfigError(f"{source}: give one of `axes` (a cartesian product) or `scenarios` (an "
+                          "explicit list), not both")
+    if has_axes:
+        axes, combos = _parse_axes(data["axes"], source, root)
+    elif has_list:
+        axes, combos = _parse_list(data["scenarios"], source, root)
+    else:  # the base scenario alone (e.g. for `plan --candidates`)
+        axes, combos = (), [{}]
+    for key in axes:
+        if key in base:
+            raise ConfigError(f"{source}: {key} is both in base and an axis; remove it from base")
+    plots = _parse_plots(data.get("plots") or [], axes, source)
+    return Grid(base=base, axes=axes, combos=tuple(combos), plots=plots, source=source)
+
+
+def _check_keys(mapping: Mapping, allowed, where: str) -> None:
+    for key in mapping:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), list(allowed), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{where}: unknown key {key!r}{hint}; allowed: {', '.join(allowed)}")
+
+
+def _parse_base(base: Any, source: str, root: Path | None) -> dict[str, str]:
+    where = f"{source}: base"
+    if not isinstance(base, Mapping):
+        raise ConfigError(f"{where}: must be a mapping of run settings, e.g. {{rate: 10, num-requests: 500}}")
+    out: dict[str, str] = {}
+    for raw_key, value in base.items():
+        if isinstance(raw_key, str) and coefficient_axes.is_coefficient_axis(raw_key):
+            raise ConfigError(f"{where}.{raw_key}: is an axis only; in base give alpha-coeffs / beta-coeffs")
+        key = settings.canonical_key(raw_key, where)
+        if key in out:
+            raise ConfigError(f"{where}.{raw_key}: {key} is set twice (dashes and underscores are the same key)")
+        out[key] = _file_setting(key, settings.value_token(key, value, where), root)
+    if out.get("num-instances", "1") != "1":
+        raise ConfigError(f"{where}.num-instances: {out['num-instances']}: {CLUSTERS_NOT_YET}")
+    return out
+
+
+def _file_setting(key: str, token: str, root: Path | None) -> str:
+    if root is None or Path(token).is_absolute():
+        return token
+    candidate = root / token
+    if key in PATH_SETTINGS or (key in MAYBE_PATH_SETTINGS and candidate.exists()):
+        return str(candidate)
+    return token
+
+
+def _axis_key(raw_key: Any, where: str) -> str:
+    if isinstance(raw_key, str) and coefficient_axes.is_coefficient_axis(raw_key.strip()):
+        return raw_key.strip()
+    return settings.canonical_key(raw_key, where)
+
+
+def _check_axis_values(key: str, values: Any, where: str) -> None:
+    if not isinstance(values, list) or not values:
+        raise ConfigError(f"{where}: must be a non-empty list of values, e.g. [1, 2, 4]")
+    hashed = [_hashable(v) for v in values]
+    dupes = sorted({str(v) for v in hashed if hashed.count(v) > 1})
+    if dupes:
+        raise ConfigError(f"{where}: duplicate value(s) {', '.join(dupes)}; list each value once")
+    _check_values(key, values, where)
+
+
+def _check_values(key: str, values, where: str) -> None:
+    if coefficient_axes.is_coefficient_axis(key):
+        coefficient_axes.check_axis(key, values, where.rsplit(".", 1)[0])
+        return
+    for value in values:
+        settings.value_token(key, value, where.rsplit(".", 1)[0])
+        if key == "num-instances" and value != 1:
+            raise ConfigError(f"{where}: {value}: {CLUSTERS_NOT_YET}")
+
+
+def _parse_axes(axes: Any, source: str, root: Path | None) -> tuple[tuple[str, ...], list[dict]]:
+    where = f"{source}: axes"
+    if not isinstance(axes, Mapping) or not axes:
+        raise ConfigError(f"{where}: must be a mapping of setting → list of values, e.g. {{rate: [1, 2, 4]}}")
+    parsed: dict[str, list] = {}
+    for raw_key, values in axes.items():
+        key = _axis_key(raw_key, where)
+        if key in parsed:
+            raise ConfigError(f"{where}.{raw_key}: {key} is given twice")
+        _check_axis_values(key, values, f"{where}.{key}")
+        parsed[key] = [_axis_file_value(key, v, root) for v in values]
+    keys = tuple(parsed)
+    combos = [dict(zip(keys, combo)) for combo in itertools.product(*parsed.values())]
+    return keys, combos
+
+
+def _axis_file_value(key: str, value: Any, root: Path | None) -> Any:
+    if isinstance(value, str) and (key in PATH_SETTINGS or key in MAYBE_PATH_SETTINGS):
+        return _file_setting(key, value, root)
+    return value
+
+
+def _parse_list(entries: Any, source: str, root: Path | None) -> tuple[tuple[str, ...], list[dict]]:
+    where = f"{source}: scenarios"
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{where}: must be a non-empty list of mappings, e.g. [{{rate: 5}}, {{rate: 10}}]")
+    keys: tuple[str, ...] | None = None
+    combos = []
+    for i, entry in enumerate(entries):
+        at = f"{where}[{i}]"
+        if not isinstance(entry, Mapping) or not entry:
+            raise ConfigError(f"{at}: must be a non-empty mapping of settings")
+        combo = {}
+        for raw_key, value in entry.items():
+            key = _axis_key(raw_key, at)
+            if key in combo:
+                raise ConfigError(f"{at}.{raw_key}: {key} is given twice")
+            _check_values(key, [value], f"{at}.{key}")
+            combo[key] = _axis_file_value(key, value, root)
+        if keys is None:
+            keys = tuple(combo)
+        elif set(combo) != set(keys):
+            raise ConfigError(f"{at}: sets {', '.join(sorted(combo))} but scenarios[0] sets "
+                              f"{', '.join(sorted(keys))}; every entry must set the same keys")
+        combos.append({k: combo[k] for k in keys})
+    return keys or (), combos
+
+
+def _parse_plots(plots: Any, axes: tuple[str, ...], source: str) -> tuple[PlotSpec, ...]:
+    where = f"{source}: plots"
+    if not isinstance(plots, list):
+        raise ConfigError(f"{where}: must be a list of {{metric, x, lines}} mappings")
+    out = []
+    for i, entry in enumerate(plots):
+        at = f"{where}[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{at}: must be a mapping with metric, x and (optional) lines")
+        _check_keys(entry, PLOT_KEYS, at)
+        out.append(plot_spec(entry.get("metric"), entry.get("x"), entry.get("lines"), axes, at))
+    return tuple(out)
+
+
+def plot_spec(metric: Any, x: Any, lines: Any, axes: tuple[str, ...], where: str) -> PlotSpec:
+    """A checked plot: a known metric against an axis, optionally one line per another axis."""
+    if metric not in METRICS:
+        close = difflib.get_close_matches(str(metric), METRICS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{where}.metric: {metric!r} is not a metric{hint}; choose one of {', '.join(METRICS)}")
+    resolved = []
+    for field, value in (("x", x), ("lines", lines)):
+        if value is None and field == "lines":
+            resolved.append(None)
+            continue
+        key = value.strip() if isinstance(value, str) else value
+        if isinstance(key, str) and not coefficient_axes.is_coefficient_axis(key):
+            try:
+                key = settings.canonical_key(key, where)  # underscores and aliases, as for axes
+            except ConfigError:
+                pass  # not a setting at all: reported below as "not an axis"
+        if key not in axes:
+            raise ConfigError(f"{where}.{field}: {value!r} is not an axis of the grid; choose one of "
+                              f"{', '.join(axes) or '(none)'}")
+        resolved.append(key)
+    if resolved[0] == resolved[1]:
+        raise ConfigError(f"{where}.lines: {lines!r} is also x; choose another axis (or omit lines)")
+    return PlotSpec(metric=str(metric), x=resolved[0], lines=resolved[1])

@@ -1,0 +1,105 @@
+"""`InstanceLane`: one single-instance scenario as a lane of a batched sweep.
+
+A lane adapts one engine to the batch runner (`batch.run_lanes`), which needs only:
+
+* `group_key()`: lanes with equal keys can share a compiled program;
+* `dims(growth)` and `cover(dims_list)`: the lane's own static shape (growth multiplies the
+  capacities that can overflow) and the smallest shape covering several lanes;
+* `inputs(dims)`: the lane's arrays as one pytree (stacked over lanes by the runner);
+* `run(dims, inputs)`: the whole simulation as a pure, vmappable function;
+* `result_code(state)`, `output(state, dims, code)`: the host-side result (a `SimOutput`);
+* `state_bytes(dims, inputs)` for the memory budget and `work()` for chunk ordering.
+
+The cluster engine gets its own lane type with the same methods (see docs/SWEEPS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from blis_jax.engine import simulate
+from blis_jax.engine.dims import EngineDims, choose_dims
+from blis_jax.engine.params import EngineParams
+from blis_jax.workload.requests import RequestSet
+
+# EngineDims capacities that may be raised without changing the simulation: every integer
+# field but the block size (strings are structure).
+_CAPACITIES = tuple(f.name for f in dataclasses.fields(EngineDims)
+                    if f.name != "block_size" and f.type in (int, "int"))
+
+
+def run_instance(dims: EngineDims, inputs):
+    """One single-instance simulation, start to end (vmapped over lanes by the runner)."""
+    params, req, model = inputs
+    return simulate.run_to_end(dims, params, req, model)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class InstanceLane:
+    """One single-instance scenario ready to simulate."""
+
+    requests: RequestSet
+    params: EngineParams
+    model: Any  # LatencyModel
+    block_size: int = 16
+    scheduler: str = "fcfs"
+    preemption_policy: str = "fcfs"
+
+    run = staticmethod(run_instance)
+
+    def group_key(self) -> tuple:
+        """The model's tree structure holds its static fields (kind, beta mode, MoE
+        communication); block size, scheduler and preemption policy are static dims."""
+        return ("instance", jax.tree.structure(self.model), self.block_size, self.scheduler,
+                self.preemption_policy)
+
+    def dims(self, growth: int = 1) -> EngineDims:
+        r = self.requests
+        return choose_dims(input_len=r.input_len, output_len=r.output_len, prefix_group=r.prefix_group,
+                           prefix_len=r.prefix_len, max_num_seqs=int(self.params.max_num_seqs),
+                           max_num_batched_tokens=int(self.params.max_num_batched_tokens),
+                           total_kv_blocks=int(self.params.total_kv_blocks), block_size=self.block_size,
+                           scheduler=self.scheduler, preemption_policy=self.preemption_policy, growth=growth)
+
+    @staticmethod
+    def cover(dims: Sequence[EngineDims]) -> EngineDims:
+        """The smallest dims at least as large as each of `dims` (one structure)."""
+        out = dims[0]
+        for d in dims[1:]:
+            out = dataclasses.replace(out, **{f: max(getattr(out, f), getattr(d, f)) for f in _CAPACITIES})
+        return out
+
+    def inputs(self, dims: EngineDims):
+        return (self.params, simulate.request_arrays(self.requests, dims), self.model)
+
+    @staticmethod
+    def state_bytes(dims: EngineDims, inputs) -> int:
+        """Bytes of the engine state and inputs of one lane (from shapes; nothing runs)."""
+        params, req, model = inputs
+        state = jax.eval_shape(functools.partial(simulate.start.__wrapped__, dims), params, req, model)
+        leaves = jax.tree.leaves((state, inputs))
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
+
+    @staticmethod
+    def result_code(state) -> int:
+        return int(state.result)
+
+    def output(self, state, dims: EngineDims, code: int):
+        return simulate.to_output(state, dims, self.params, self.requests, code)
+
+    def work(self) -> float:
+        """Rough loop iterations (engine steps), to put lanes of similar length in one chunk:
+        a vmapped loop runs until its slowest lane is done. Steps are bounded below by the
+        arrival span (at ~10 ms a step) and by the decode work at a full batch."""
+        r = self.requests
+        if len(r) == 0:
+            return 0.0
+        span_steps = (int(r.arrival_us[-1]) - int(r.arrival_us[0])) / 10_000
+        decode_steps = float(r.output_len.sum()) / max(int(self.params.max_num_seqs), 1)
+        return max(span_steps, decode_steps) + len(r)

@@ -1,0 +1,123 @@
+"""BLIS's golden experiments (blis_jax/golden.py): 15 inference-perf workloads × 2 latency models.
+
+* Our own outputs are pinned in golden/<latency model>.json (written by
+  `python -m blis_jax.golden --write golden`): any change to them is a behaviour change.
+* Against BLIS: request and token totals exactly (every experiment, from the pins).
+* Latencies within the acceptance tolerances (2 % for means, 5 % for p90/p99): per experiment,
+  under `pytest -m slow`. Session start times come from a different random generator than
+  Go's, and with 23-90 long-lived sessions whose phases persist all run, the TTFT of some
+  experiments moves by tens of percent between seeds (`test_seed_spread_brackets_blis`), so
+  several experiments miss the tolerance; those failures are real and stay visible there.
+
+The default run simulates the smallest experiment (reasoning-lite, 1200 requests) under both
+latency models, batched, and checks it against the pins.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blis_jax import golden
+
+from shared_data import BLIS_REF, needs_blis_ref  # noqa: E402
+
+TESTDATA = BLIS_REF / "testdata"
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
+SMALL = {"trained-physics": ["67"], "roofline": ["67"]}
+
+
+def _experiments(kind: str, ids=None):
+    exps = golden.load_experiments(TESTDATA, kind)
+    return [e for e in exps if ids is None or e.id in ids]
+
+
+def _pinned(kind: str) -> dict:
+    return json.loads((GOLDEN_DIR / f"{kind}.json").read_text())["experiments"]
+
+
+@needs_blis_ref
+@pytest.mark.parametrize("kind", sorted(golden.REFERENCE_FILES))
+def test_small_experiment_matches_the_pins(kind, tmp_path):
+    exps = _experiments(kind, SMALL[kind])
+    metrics = golden.run_experiments(exps, tmp_path, batched=True)
+    pinned = _pinned(kind)
+    for exp, m in zip(exps, metrics):
+        assert m == pinned[exp.id]["metrics"], f"{exp.name}: output changed from golden/{kind}.json"
+        for key in golden.EXACT_FIELDS:
+            assert m[key] == exp.expected[key], (exp.name, key)
+
+
+@needs_blis_ref
+@pytest.mark.slow  # the default run checks batched (pins test) and single (CLI test) against one pin
+def test_batched_runs_equal_single_runs(tmp_path):
+    exps = _experiments("trained-physics", ["66", "67"])
+    assert golden.run_experiments(exps, tmp_path, batched=True) == golden.run_experiments(exps, tmp_path, batched=False)
+
+
+@needs_blis_ref
+def test_run_flags_reproduce_the_experiment_through_the_cli(tmp_path, capsys):
+    from blis_jax.cli import main
+
+    exp = _experiments("trained-physics", ["67"])[0]
+    spec = golden.write_spec(exp, tmp_path)
+    assert main(golden.run_flags(exp, spec) + ["--metrics-path", str(tmp_path / "m.json")]) == 0
+    printed = capsys.readouterr().out
+    block = json.loads(printed.split("=== Simulation Metrics ===\n", 1)[1].split("\n}\n", 1)[0] + "\n}")
+    assert block == _pinned("trained-physics")["67"]["metrics"]
+    assert "=== Session Metrics ===\n  Sessions: 23\n" in printed
+
+
+@needs_blis_ref
+def test_pins_cover_every_experiment():
+    for kind in golden.REFERENCE_FILES:
+        pinned = _pinned(kind)
+        assert sorted(pinned) == sorted(e.id for e in _experiments(kind))
+        for exp in _experiments(kind):
+            m = pinned[exp.id]["metrics"]
+            for key in golden.EXACT_FIELDS:
+                assert m[key] == exp.expected[key], (exp.name, key)
+
+
+@needs_blis_ref
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(golden.REFERENCE_FILES))
+def test_every_experiment_reproduces_the_pins(kind, tmp_path):
+    exps = _experiments(kind)
+    metrics = golden.run_experiments(exps, tmp_path, batched=True)
+    pinned = _pinned(kind)
+    for exp, m in zip(exps, metrics):
+        assert m == pinned[exp.id]["metrics"], exp.name
+
+
+def _all_cases():
+    if not TESTDATA.exists():
+        return []
+    return [(kind, e.id) for kind in sorted(golden.REFERENCE_FILES) for e in _experiments(kind)]
+
+
+@needs_blis_ref
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, exp_id", _all_cases(), ids=lambda v: str(v))
+def test_experiment_within_blis_tolerances(kind, exp_id):
+    """The acceptance check, per experiment, on the pinned outputs (see the module doc)."""
+    exp = _experiments(kind, [exp_id])[0]
+    problems = golden.compare(exp, _pinned(kind)[exp_id]["metrics"])
+    assert not problems, "\n".join(problems)
+
+
+@needs_blis_ref
+@pytest.mark.slow
+def test_seed_spread_brackets_blis(tmp_path):
+    """Roofline experiment 17 under five seeds: BLIS's TTFT mean lies inside our spread, and the
+    spread is far wider than the 2 % tolerance (why latencies can only match statistically)."""
+    import dataclasses
+
+    exp = _experiments("roofline", ["17"])[0]
+    seeded = [dataclasses.replace(exp, id=f"17-seed{s}", workload={**exp.workload, "seed": s}) for s in range(1, 6)]
+    ttft = np.array([m["ttft_mean_ms"] for m in golden.run_experiments(seeded, tmp_path, batched=True)])
+    assert ttft.min() <= exp.expected["ttft_mean_ms"] <= ttft.max()
+    assert ttft.max() / ttft.min() - 1 > 0.2

@@ -1,0 +1,299 @@
+"""`blis-jax sweep`: rows equal separate `blis-jax run`s, one compiled program for a grid that
+varies only numbers (and a categorical model axis), strict grid validation, sharding over 4
+host devices, the compile cache, plots.
+
+In-process engine runs share two program shapes (the vmapped batch of 8 lanes, forced with
+--max-batch 8 since CPU sweeps default to one lane per device, and the `run` driver's), also
+shared with tests/test_plan.py: the grids fix total-kv-blocks and the lengths (same seed), and
+max-num-seqs stays within one bucket. The 4-device subprocess runs the CPU default (one lane
+per device, no vmap), so the two tables also compare the two batch programs. It starts first
+so that its compilation overlaps the in-process tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import pytest
+import yaml
+
+from blis_jax.cli import main
+from blis_jax.config import load_coefficients
+from blis_jax.engine import simulate as sim
+from blis_jax.errors import ConfigError
+from blis_jax.sweep import batch
+from blis_jax.sweep.grid import load_grid, parse_grid
+from blis_jax.sweep.lane import InstanceLane
+from blis_jax.sweep.runner import run_sweep
+from blis_jax.sweep.table import METRICS
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = ["meta-llama/llama-3.1-8b-instruct", "qwen/qwen2.5-7b-instruct"]
+# Small scenarios (24 requests) on one engine shape; max-num-seqs 4 saturates near 14 req/s.
+BASE = {"num-requests": 24, "total-kv-blocks": 600, "max-num-seqs": 4, "max-num-batched-tokens": 512,
+        "prompt-tokens": 150, "prompt-tokens-max": 300, "output-tokens": 30, "output-tokens-max": 60}
+GRID = {"base": BASE,
+        "axes": {"model": MODELS, "rate": [10, 40], "beta-scale": [1.0, 1.5]},
+        "plots": [{"metric": "itl_p99_ms", "x": "beta-scale", "lines": "model"}]}
+BASE_FLAGS = [f"--{k}={v}" for k, v in BASE.items()]
+
+
+def cli(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = main([str(a) for a in argv], stdout=out, stderr=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def write_grid(path: Path, grid: dict) -> Path:
+    path.write_text(yaml.safe_dump(grid, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def grid_file(tmp_path_factory) -> Path:
+    return write_grid(tmp_path_factory.mktemp("grid") / "small.yaml", GRID)
+
+
+@pytest.fixture(scope="module")
+def sharded_process(tmp_path_factory, grid_file):
+    """The same sweep in a subprocess with 4 host devices and a fresh compile cache."""
+    d = tmp_path_factory.mktemp("sharded")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "BLIS_JAX_COMPILE_CACHE": str(d / "cache"), "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "blis_jax", "sweep", str(grid_file), "--output-dir",
+                             str(d / "out"), "--no-plots", "--progress"],
+                            cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield proc, d
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, grid_file, sharded_process):
+    out_dir = tmp_path_factory.mktemp("sweep") / "out"
+    rc, stdout, stderr = cli("sweep", grid_file, "--output-dir", out_dir, "--progress", "--max-batch", 8)
+    assert rc == 0, stderr
+    table = json.loads((out_dir / "table.json").read_text())
+    return {"dir": out_dir, "table": table, "rows": table["rows"], "stdout": stdout, "stderr": stderr}
+
+
+def run_metrics(tmp_path: Path, *flags) -> dict:
+    """The --metrics-path block of a separate `blis-jax run` (per-request records dropped)."""
+    path = tmp_path / "metrics.json"
+    rc, _, err = cli("run", *BASE_FLAGS, *flags, "--metrics-path", path)
+    assert rc == 0, err
+    metrics = json.loads(path.read_text())
+    metrics.pop("requests")
+    assert metrics.pop("instance_id") == "cluster"
+    return metrics
+
+
+def test_rows_equal_separate_runs(sweep, tmp_path):
+    rows = sweep["rows"]
+    assert [(r["model"], r["rate"], r["beta-scale"]) for r in rows] == [
+        (m, rate, s) for m in MODELS for rate in (10, 40) for s in (1.0, 1.5)]  # product order, first axis slowest
+    default = load_coefficients()
+    scaled = ["--alpha-coeffs", ",".join(map(repr, default.alpha)),
+              "--beta-coeffs", ",".join(repr(b * 1.5) for b in default.beta)]
+    for row in rows:
+        coeffs = scaled if row["beta-scale"] == 1.5 else []  # 1.0: the run's own default fit
+        expected = run_metrics(tmp_path, "--model", row["model"], "--rate", row["rate"], *coeffs)
+        assert row["result"] == "ok"
+        assert {k: row[k] for k in expected} == expected, f"scenario {row['scenario']}"
+        assert row["kv_allocation_failures"] == expected.get("kv_allocation_failures", 0)
+
+    # every axis changes the outcome, so the comparison above covers all three
+    def differ(key, a, b):
+        return any(r[key] == a and s[key] == b and r["ttft_p99_ms"] != s["ttft_p99_ms"]
+                   and all(r[k] == s[k] for k in ("model", "rate", "beta-scale") if k != key)
+                   for r in rows for s in rows)
+    assert differ("model", *MODELS) and differ("rate", 10, 40) and differ("beta-scale", 1.0, 1.5)
+
+
+def test_table_files_and_columns(sweep):
+    table, out_dir = sweep["table"], sweep["dir"]
+    assert table["axes"] == ["model", "rate", "beta-scale"]
+    assert table["metrics"] == list(METRICS)
+    lines = (out_dir / "table.csv").read_text().splitlines()
+    assert lines[0].split(",") == ["scenario", "model", "rate", "beta-scale", "result", *METRICS]
+    assert len(lines) == 1 + 8
+    # CSV cells hold the exact JSON values (shortest round-trip floats)
+    first = dict(zip(lines[0].split(","), lines[1].split(",")))
+    assert float(first["ttft_p99_ms"]) == table["rows"][0]["ttft_p99_ms"]
+    assert "8/8 scenarios" in sweep["stderr"] and "ETA" in sweep["stderr"]
+    assert "ttft_p99_ms" in sweep["stdout"] and "wrote" in sweep["stdout"]
+
+
+def test_plots_written(sweep):
+    # the grid's own plot: ITL vs beta-scale, one line per model (rate averaged, with a band)
+    png = sweep["dir"] / "itl_p99_ms_vs_beta-scale_by_model.png"
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert sorted(p.name for p in sweep["dir"].glob("*.png")) == [png.name]
+
+
+def test_no_retrace_when_only_numbers_change(sweep, grid_file, monkeypatch):
+    """Other rates, coefficients, batch limit and KV blocks within the same buckets: the grid
+    runs on the already compiled program (tracing the engine now fails)."""
+    compiled = batch.compiled_programs()
+    monkeypatch.setattr(sim, "_body", chex.assert_max_traces(sim._body, n=0))
+    chex.clear_trace_counter()
+    other = {"base": {**BASE, "max-num-seqs": 6, "total-kv-blocks": 700},
+             "axes": {"model": MODELS, "rate": [15, 30], "alpha-scale": [0.5, 2.0]}}
+    table = run_sweep(parse_grid(other), max_batch=8)
+    assert batch.compiled_programs() == compiled
+    assert all(r["result"] == "ok" for r in table.rows)
+    before = {r["ttft_p99_ms"] for r in sweep["rows"]}
+    assert len({r["ttft_p99_ms"] for r in table.rows} - before) == 8, "the new numbers had no effect"
+
+
+def test_sharded_equals_unsharded(sweep, sharded_process):
+    proc, d = sharded_process
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "on 4 devices" in stderr
+    assert (d / "out" / "table.csv").read_text() == (sweep["dir"] / "table.csv").read_text()
+    assert (d / "out" / "table.json").read_text() == (sweep["dir"] / "table.json").read_text()
+    # the CLI entry point filled the persistent compilation cache it was pointed at
+    assert any((d / "cache").iterdir())
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("grid, fragments", [
+    ({"base": BASE, "axes": {"rate": [1]}, "plot": []}, ["unknown key 'plot'", "did you mean plots"]),
+    ({"axes": {"max-num-seq": [8]}}, ["axes.max-num-seq", "unknown setting", "did you mean max-num-seqs"]),
+    ({"base": {"rate": "fast"}, "axes": {"seed": [1]}}, ["base.rate", "'fast' must be a finite number"]),
+    ({"axes": {"max-num-seqs": [8, 16.5]}}, ["axes.max-num-seqs", "16.5 must be an integer"]),
+    ({"axes": {"rate": []}}, ["axes.rate", "non-empty list"]),
+    ({"axes": {"rate": 5}}, ["axes.rate", "non-empty list"]),
+    ({"axes": {"rate": [5, 5]}}, ["axes.rate", "duplicate value(s) 5"]),
+    ({"axes": {"rate": [1]}, "scenarios": [{"rate": 2}]}, ["one of `axes`", "`scenarios`", "not both"]),
+    ({"base": [1]}, ["base", "must be a mapping"]),
+    ([1, 2], ["the grid must be a mapping"]),
+    ({"axes": {"num-instances": [1, 2]}}, ["axes.num-instances", "2", "clusters", "not implemented yet"]),
+    ({"base": {"num-instances": 4}, "axes": {"rate": [1]}}, ["base.num-instances", "not implemented yet"]),
+    ({"axes": {"scheduler": ["fcfs", "lifo"]}}, ["axes.scheduler", "'lifo' is not one of"]),
+    ({"axes": {"beta[11]": [1.0]}}, ["axes.beta[11]", "index 11 is out of range"]),
+    ({"axes": {"alpha-scale": [1, "x"]}}, ["axes.alpha-scale", "'x' must be a finite number"]),
+    ({"base": {"metrics-path": "m.json"}, "axes": {"rate": [1]}}, ["base.metrics-path", "output flag"]),
+    ({"base": {"rate": 1}, "axes": {"rate": [2]}}, ["rate is both in base and an axis"]),
+    ({"scenarios": [{"rate": 1}, {"seed": 2}]}, ["scenarios[1]", "every entry must set the same keys"]),
+    ({"axes": {"rate": [1, 2]}, "plots": [{"metric": "ttft_p99", "x": "rate"}]},
+     ["plots[0].metric", "'ttft_p99' is not a metric", "did you mean ttft_p99_ms"]),
+    ({"axes": {"rate": [1, 2]}, "plots": [{"metric": "ttft_p99_ms", "x": "seed"}]},
+     ["plots[0].x", "'seed' is not an axis", "rate"]),
+    ({"axes": {"rate": [1, 2]}, "plots": [{"metric": "ttft_p99_ms", "x": "rate", "color": "red"}]},
+     ["plots[0]", "unknown key 'color'"]),
+])
+def test_bad_grid_is_one_clear_error(grid, fragments):
+    with pytest.raises(ConfigError) as e:
+        parse_grid(grid, source="g.yaml")
+    message = str(e.value)
+    assert message.startswith("g.yaml"), message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_bad_scenario_value_fails_before_simulating(monkeypatch):
+    """Values that only the run resolution can judge (rate 0, a coefficient axis on roofline)
+    fail before any batch is compiled or run, naming the scenario."""
+    monkeypatch.setattr(batch, "run_lanes", lambda *a, **k: pytest.fail("simulated a bad grid"))
+    with pytest.raises(ConfigError, match=r"scenario 1 \(rate=0\).*--rate"):
+        run_sweep(parse_grid({"base": BASE, "axes": {"rate": [1, 0]}}))
+    grid = parse_grid({"base": {**BASE, "latency-model": "roofline"}, "axes": {"beta-scale": [1.0, 2.0]}})
+    with pytest.raises(ConfigError, match=r"scenario 0 \(beta-scale=1.0\): coefficient axes \(beta-scale\) need latency-model trained-physics"):
+        run_sweep(grid)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    rc, out, err = cli("sweep", tmp_path / "missing.yaml")
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "cannot read" in err
+    bad = write_grid(tmp_path / "bad.yaml", {"axes": {"rate": [1]}, "bogus": 1})
+    rc, _, err = cli("sweep", bad)
+    assert rc == 2 and err.count("\n") == 1 and "unknown key 'bogus'" in err
+    rc, _, err = cli("sweep", write_grid(tmp_path / "ok.yaml", {"axes": {"rate": [1, 2]}}), "--plot", "nope:rate")
+    assert rc == 2 and "'nope' is not a metric" in err
+
+
+def test_grid_file_settings_and_explicit_list(tmp_path):
+    """Relative file settings resolve beside the grid; an explicit list keeps its order."""
+    spec = tmp_path / "w.yaml"
+    spec.write_text("x")
+    path = write_grid(tmp_path / "g.yaml", {"base": {"workload-spec": "w.yaml", "max_num_seqs": 8},
+                                            "scenarios": [{"rate": 3, "model": MODELS[1]}, {"rate": 1, "model": MODELS[0]}]})
+    grid = load_grid(path)
+    specs = grid.scenarios()
+    assert grid.axes == ("rate", "model")
+    assert [s.values for s in specs] == [{"rate": 3, "model": MODELS[1]}, {"rate": 1, "model": MODELS[0]}]
+    assert specs[0].settings == {"workload-spec": str(spec), "max-num-seqs": "8", "rate": "3.0", "model": MODELS[1]}
+
+
+def test_coefficient_axes_fold_into_run_flags():
+    default = load_coefficients()
+    grid = parse_grid({"axes": {"beta-scale": [2.0], "alpha[1]": [7.5]}})
+    (spec,) = grid.scenarios()
+    assert spec.settings["alpha-coeffs"].split(",") == [repr(default.alpha[0]), "7.5", repr(default.alpha[2])]
+    assert [float(b) for b in spec.settings["beta-coeffs"].split(",")] == [b * 2.0 for b in default.beta]
+
+
+@pytest.mark.slow
+def test_overflowing_lane_is_rerun_with_grown_dims(tmp_path, monkeypatch):
+    """A lane whose first run overflows (here: its in-flight window is made too small for its
+    queue) is rerun at grown dims, and its row equals a plain `blis-jax run`. Slow: new programs."""
+    original = InstanceLane.dims
+
+    def tiny_window(self, growth=1):
+        d = original(self, growth)
+        return d if growth > 1 else dataclasses.replace(d, window=4)
+
+    monkeypatch.setattr(InstanceLane, "dims", tiny_window)
+    runs = []
+    real_run_chunk = batch._run_chunk
+
+    def spy(lanes, chunk, plan, *args):
+        grow = real_run_chunk(lanes, chunk, plan, *args)
+        runs.append((plan.growth, plan.dims.window, len(grow)))
+        return grow
+
+    monkeypatch.setattr(batch, "_run_chunk", spy)
+    (row,) = run_sweep(parse_grid({"base": {**BASE, "rate": 40}})).rows
+    assert runs[0] == (1, 4, 1), f"the first run did not overflow: {runs}"
+    assert runs[-1][0] == 4 and runs[-1][1] > 4 and runs[-1][2] == 0 and row["result"] == "ok"
+    expected = run_metrics(tmp_path, "--rate", 40)
+    assert {k: row[k] for k in expected} == expected
+
+
+def test_example_grids_resolve():
+    """Every configs/sweeps example is valid down to its resolved scenarios (nothing runs)."""
+    from blis_jax.sweep import settings
+
+    class Quiet:
+        def warn(self, message):
+            pass
+
+    paths = sorted((REPO / "configs" / "sweeps").glob("*.yaml"))
+    assert len(paths) >= 4
+    for path in paths:
+        grid = load_grid(path)
+        for spec in grid.scenarios():
+            settings.resolve(spec.settings, Quiet(), f"{path.name}: {spec.label}")
+
+
+def test_part_takes_every_nth_scenario(tmp_path):
+    from blis_jax.sweep.runner import select_part
+
+    specs = parse_grid({"axes": {"rate": [1, 2, 3, 4, 5, 6, 7]}}).scenarios()
+    assert [s.values["rate"] for s in select_part(specs, (1, 3))] == [2, 5]
+    rc, _, err = cli("sweep", write_grid(tmp_path / "g.yaml", {"axes": {"rate": [1]}}), "--part", "3/2")
+    assert rc == 2 and "--part '3/2'" in err
