@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cluster_helpers import router_state, strict_dtypes  # noqa: F401 (autouse fixture)
 from shared_data import needs_blis_diff
 
 from blis_jax.cluster import pd
@@ -19,24 +20,9 @@ from blis_jax.errors import ConfigError
 ACTIVE = [True, True, True, False]
 
 
-@pytest.fixture(autouse=True)
-def _strict_dtypes():
-    # Implicit dtype promotion inside the cluster code would be a silent int/float mix-up.
-    with jax.numpy_dtype_promotion("strict"):
-        yield
-
-
 def rstate(qd=(3, 1, 0, 0), bs=(1, 0, 2, 0), in_flight=(0, 3, 1, 0), kvu=(0.25, 0.5, 1.0, 0.0),
            active=ACTIVE) -> sg.RouterState:
-    n = len(qd)
-    zi = jnp.zeros(n, jnp.int64)
-    signals = sg.InstanceSignals(
-        queue_depth=jnp.asarray(qd, jnp.int64), batch_size=jnp.asarray(bs, jnp.int64),
-        kv_utilization=jnp.asarray(kvu, jnp.float64), free_kv_blocks=zi, kv_tokens_in_use=zi,
-        kv_tokens_capacity=zi, cache_hit_rate=jnp.zeros(n, jnp.float64), preemption_count=zi,
-    )
-    return sg.RouterState(signals=signals, in_flight=jnp.asarray(in_flight, jnp.int64),
-                          active=jnp.asarray(active, bool))
+    return router_state(qd, bs, in_flight, kvu, active)
 
 
 def req(cached=(0, 2, 1, 9), keys=(0, 0, 0), num_blocks=0):

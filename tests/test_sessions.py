@@ -15,7 +15,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from engine_helpers import latency_model, params_from, random_scenario
+from engine_helpers import dims_floor, latency_model, params_from, random_scenario
 
 from blis_jax.config import load_gpu, load_model
 from blis_jax.engine import simulate as sim
@@ -116,10 +116,22 @@ def _chain_inputs(*, output=(30, 30, 30, 30), timeout_us=0, horizon_us=None, thi
     return requests, links, params
 
 
+# One program shape for every chain scenario below (each would otherwise compile its own).
+CHAIN_FLOOR = {("fcfs", "fcfs"): sim.choose_dims(
+    input_len=np.full(16, 200), output_len=np.full(16, 600), prefix_group=np.full(16, -1),
+    prefix_len=np.zeros(16, np.int64), max_num_seqs=8, max_num_batched_tokens=512, total_kv_blocks=2000,
+    block_size=16, step_log=200_000, num_sessions=4)}
+
+
+def _run_chain(requests, links, params):
+    with dims_floor(CHAIN_FLOOR):
+        return sim.simulate_sessions(requests, links, params, latency_model())
+
+
 def test_rounds_follow_completions_by_the_think_time():
     requests, links, params = _chain_inputs(output=(30, 5, 60, 1))
     model = latency_model()
-    final, out = sim.simulate_sessions(requests, links, params, model)
+    final, out = _run_chain(requests, links, params)
     assert len(final) == 8 and (out.status == COMPLETED).all()
     a2, a1 = int(output_token_time_us(model)), int(post_decode_time_us(model))
     for s in ("s0", "s1"):
@@ -137,7 +149,7 @@ def test_rounds_follow_completions_by_the_think_time():
 def test_a_timed_out_round_ends_its_session():
     # round 2 (600 output tokens) cannot finish within its 1 s timeout; round 3 never exists
     requests, links, params = _chain_inputs(output=(20, 20, 600, 20), timeout_us=1_000_000, sessions=1)
-    final, out = sim.simulate_sessions(requests, links, params, latency_model())
+    final, out = _run_chain(requests, links, params)
     assert final.round_index.tolist() == [0, 1, 2]
     assert out.status.tolist() == [COMPLETED, COMPLETED, TIMED_OUT]
     assert int(out.timed_out[0]) == 1
@@ -146,10 +158,10 @@ def test_a_timed_out_round_ends_its_session():
 
 def test_the_horizon_interrupts_a_session_and_outputs_are_deterministic():
     requests, links, params = _chain_inputs(output=(20,) * 6, horizon_us=1_500_000, think_us=400_000)
-    final, out = sim.simulate_sessions(requests, links, params, latency_model())
+    final, out = _run_chain(requests, links, params)
     assert 0 < len(final) < 12
     assert final.arrival_us.max() <= 1_500_000
-    again_final, again = sim.simulate_sessions(requests, links, params, latency_model())
+    again_final, again = _run_chain(requests, links, params)
     np.testing.assert_array_equal(final.arrival_us, again_final.arrival_us)
     for name in ("status", "ttft_us", "e2e_us", "itl_step_us", "itl_runs"):
         assert getattr(out, name).tobytes() == getattr(again, name).tobytes()
@@ -158,15 +170,15 @@ def test_the_horizon_interrupts_a_session_and_outputs_are_deterministic():
 def test_a_dropped_round_ends_its_session():
     # max_model_len 300: round 0 (200 + 30) fits, round 1 (200 + 150) is dropped at enqueue
     requests, links, params = _chain_inputs(output=(30, 150, 30), sessions=1, max_model_len=300)
-    final, out = sim.simulate_sessions(requests, links, params, latency_model())
+    final, out = _run_chain(requests, links, params)
     assert final.round_index.tolist() == [0, 1]
     assert int(out.dropped_unservable[0]) == 1
 
 
 def test_stale_timeouts_do_not_hit_a_reused_window_slot():
     """Completed requests' timeouts fire long after their window slot went to a newer request."""
-    requests = random_scenario(5, n=300, rate_rps=40.0, output_range=(1, 10), deadline_frac=1.0,
-                               deadline_range_us=(20_000_000, 30_000_000))
+    requests = random_scenario(5, n=160, rate_rps=40.0, output_range=(1, 10), deadline_frac=1.0,
+                               deadline_range_us=(5_000_000, 8_000_000))
     params = params_from({"max_num_seqs": 16, "max_num_batched_tokens": 512, "total_kv_blocks": 3000})
     wide = sim.simulate_instance(requests, params, latency_model())
     original = sim.choose_dims

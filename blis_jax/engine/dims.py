@@ -52,10 +52,16 @@ class EngineDims:
     run_log: int  # decode runs closed by a gap, not yet read by the host
     block_size: int
     sessions: int = 1  # closed-loop session slots
+    trace_steps: bool = False  # also log each step's start, duration and latency basis (fitting)
     scheduler: str = "fcfs"
     preemption_policy: str = "fcfs"
     wait_slots: int = 8  # wait-window capacity for priority-ordered schedulers
     window: int = 1024  # in-flight request window (consecutive enqueue positions)
+
+    @property
+    def trace_log(self) -> int:
+        """Entries of the step trace log (one dummy entry when tracing is off)."""
+        return self.step_log if self.trace_steps else 1
 
     @property
     def rows(self) -> int:
@@ -78,6 +84,7 @@ def choose_dims(
     growth: int = 1,
     step_log: int | None = None,
     num_sessions: int = 0,
+    trace_steps: bool = False,
 ) -> EngineDims:
     """Pick bucketed capacities for a request set and engine settings.
 
@@ -114,6 +121,7 @@ def choose_dims(
         run_log=bucket(max(64, n // 16) * growth),
         block_size=int(block_size),
         sessions=bucket(num_sessions, 1),
+        trace_steps=trace_steps,
         scheduler=scheduler,
         preemption_policy=preemption_policy,
         wait_slots=bucket(min(max(n, 1), 4096) * growth) if scheduler != "fcfs" else 8,

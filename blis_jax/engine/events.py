@@ -43,17 +43,17 @@ def _next_static_enqueue(state: EngineState):
     return r, jnp.where(state.static_pos < state.num_static, state.enqueue_time[r], INF_TIME)
 
 
-def _next_static_timeout(state: EngineState):
+def _next_static_timeout(state: EngineState, req: RequestArrays):
     n = state.deadline_order.shape[0]
     r = state.deadline_order[jnp.minimum(state.dl_pos, n - 1)]
-    return r, jnp.where(state.dl_pos < state.num_deadlines, state.deadline[r], INF_TIME)
+    return r, jnp.where(state.dl_pos < state.num_deadlines, req.deadline[r], INF_TIME)
 
 
 def next_event(state: EngineState, req: RequestArrays):
     """(kind, time) of the next event; time is INF_TIME when nothing is left."""
     t_enqueue = jnp.minimum(_next_static_enqueue(state)[1], sessions.next_pending_round(state)[1])
     t_step = jnp.where(state.step_pending, state.next_step, INF_TIME)
-    t_timeout = jnp.minimum(_next_static_timeout(state)[1], sessions.next_follow_up_timeout(state)[1])
+    t_timeout = jnp.minimum(_next_static_timeout(state, req)[1], sessions.next_follow_up_timeout(state)[1])
     kind = jnp.where(
         (t_enqueue <= t_step) & (t_enqueue <= t_timeout), ENQUEUE, jnp.where(t_step <= t_timeout, STEP, TIMEOUT)
     )
@@ -98,7 +98,7 @@ def enqueue(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
     round_slot, t_round = sessions.next_pending_round(state)
     from_static = t_static <= t_round
     r = jnp.where(from_static, r_static, state.sess_req[round_slot])
-    now = state.enqueue_time[r]
+    now = jnp.minimum(t_static, t_round)
     # The request takes window slot pos % W: the slot must not hold a request in flight, and
     # (fcfs) the FIFO part of the queue must span fewer than W positions.
     slot_busy = (state.win_status[pos & (dims.window - 1)] == QUEUED) | (
@@ -123,7 +123,8 @@ def enqueue(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
     too_long = (mml > 0) & ((input_len >= mml) | ((output_len > 0) & (input_len + output_len > mml)))
     too_big = (input_len + dims.block_size - 1) // dims.block_size > params.total_kv_blocks
     dropped = active & (too_long | too_big)
-    past_due = active & ~dropped & (state.deadline[r] > 0) & (state.deadline[r] <= now)
+    deadline = sessions.deadline_of(state, req, r)
+    past_due = active & ~dropped & (deadline > 0) & (deadline <= now)
     queued = active & ~dropped & ~past_due
     status = jnp.where(dropped, DROPPED, jnp.where(past_due, TIMED_OUT, QUEUED))
     state = set_status(state, r, status, active)
@@ -144,7 +145,7 @@ def timeout(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
     """TimeoutEvent: a waiting or running request past its deadline leaves and frees its KV.
     A timeout for a finished (or not yet enqueued) request is discarded without a clock tick.
     The request is the next static deadline or an in-flight follow-up's, ties in enqueue order."""
-    r_static, t_static = _next_static_timeout(state)
+    r_static, t_static = _next_static_timeout(state, req)
     follow_slot, t_follow = sessions.next_follow_up_timeout(state)
     r_follow = jnp.maximum(state.sess_live[follow_slot], 0)
     from_static = (t_static < t_follow) | (
@@ -163,7 +164,7 @@ def timeout(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
     running = active & enqueued & (status == RUNNING)
     fires = waiting | running
     has_row = fires & (row >= 0)
-    state = _advance_clock(state, state.deadline[r], fires)
+    state = _advance_clock(state, sessions.deadline_of(state, req, r), fires)
     state = waitqueue.remove(state, dims, r, waiting)
     state = kv.release_row(state, dims, row, running)
     in_batch = (jnp.arange(dims.batch_slots) < state.batch_len) & (state.batch_rows == row) & has_row
@@ -218,11 +219,25 @@ def _execute(state: EngineState, step_sample, dims: EngineDims, req: RequestArra
         state,
         row_progress=state.row_progress.at[drop_row(valid)].set(new_progress, mode="drop"),
         row_ttft=state.row_ttft.at[drop_row(first_token)].set(state.now + sample - state.arrival[r], mode="drop"),
+        row_first_step=state.row_first_step.at[drop_row(first_token)].set(state.steps, mode="drop"),
         row_num_itl=state.row_num_itl.at[drop_row(decoded)].add(1, mode="drop"),
         row_itl_sum=state.row_itl_sum.at[drop_row(decoded)].add(sample, mode="drop"),
     )
     state, step_sample = _log_itl(state, step_sample, dims, rows, r, decoded, sample, active)
+    if dims.trace_steps and model.kind == "trained-physics":
+        state = _log_trace(state, dims, model, feats, step_us, active)
     return dataclasses.replace(state, steps=state.steps + active), step_us, step_sample
+
+
+def _log_trace(state: EngineState, dims: EngineDims, model, feats, step_us, active):
+    """Step trace for fitting (fit/schedule.py): start, duration and latency basis per step."""
+    at = jnp.where(active, state.steps % dims.trace_log, dims.trace_log)
+    return dataclasses.replace(
+        state,
+        step_start=state.step_start.at[at].set(state.now, mode="drop"),
+        step_dur=state.step_dur.at[at].set(step_us, mode="drop"),
+        step_basis=state.step_basis.at[at].set(latency.trained_physics_basis_vector(model, feats), mode="drop"),
+    )
 
 
 def _log_itl(state: EngineState, step_sample, dims: EngineDims, rows, r, decoded, sample, active):

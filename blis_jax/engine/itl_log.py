@@ -26,6 +26,7 @@ class ItlLogReader:
     def __init__(self) -> None:
         self._samples: list[np.ndarray] = []
         self._runs: list[np.ndarray] = []
+        self._trace: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._read_steps = 0
 
     def read(self, state: EngineState) -> EngineState:
@@ -41,11 +42,22 @@ class ItlLogReader:
         size = state.step_sample.shape[0]
         if steps > logged:
             self._samples.append(np.asarray(state.step_sample)[np.arange(logged, steps) % size])
+            trace_size = state.step_start.shape[0]
+            if trace_size > 1:  # step trace on (dims.trace_steps)
+                at = np.arange(logged, steps) % trace_size
+                self._trace.append((np.asarray(state.step_start)[at], np.asarray(state.step_dur)[at],
+                                    np.asarray(state.step_basis)[at]))
         k = int(state.run_len)
         if k:
             self._runs.append(np.stack([np.asarray(state.run_req[:k], np.int64), np.asarray(state.run_first[:k]),
                                         np.asarray(state.run_last[:k])], axis=1))
         self._read_steps = steps
+
+    def step_trace(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start µs [S], duration µs [S], latency basis [S, 11]) of every step read so far."""
+        if not self._trace:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 11))
+        return tuple(np.concatenate(parts) for parts in zip(*self._trace))
 
     def finish(self, s, num_requests: int, completed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(`itl_step_us`, `itl_runs`) of the completed requests, from the final host state `s`."""

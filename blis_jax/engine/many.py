@@ -26,7 +26,8 @@ from blis_jax.engine.output import SimOutput
 from blis_jax.workload.requests import RequestSet
 from blis_jax.workload.sessions import SessionLinks, settle_sessions
 
-_LOG_FIELDS = ("steps", "step_log_base", "step_sample", "run_len", "run_req", "run_first", "run_last")
+_LOG_FIELDS = ("steps", "step_log_base", "step_sample", "run_len", "run_req", "run_first", "run_last",
+               "step_start", "step_dur", "step_basis")
 _CAPACITIES = tuple(f.name for f in dataclasses.fields(EngineDims) if f.type in (int, "int") and f.name != "block_size")
 
 

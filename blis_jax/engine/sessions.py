@@ -9,7 +9,7 @@ round is generated only when the previous one completes.
 
 * Completion (normal or length-capped) at step end t: round r+1 arrives at t + think time if
   that is within the horizon (else the session is horizon-interrupted and the round is never
-  generated); its deadline is arrival + the follow-up timeout. Same-tick pending rounds enqueue
+  generated); its deadline is arrival + the follow-up timeout (`deadline_of`). Same-tick pending rounds enqueue
   in generation order, after static arrivals (BLIS pushes all static arrivals first).
 * Timeout or drop ends the session: nothing is generated.
 """
@@ -45,9 +45,18 @@ def take_pending_round(state: EngineState, slot, active) -> EngineState:
     return dataclasses.replace(state, sess_enqueue=state.sess_enqueue.at[at].set(INF_TIME, mode="drop"))
 
 
+def deadline_of(state: EngineState, req: RequestArrays, r):
+    """Absolute deadline of request r (0 = none): a follow-up's is its arrival + its timeout.
+    Computed, not stored: writing a per-request deadline array in the completion loop made XLA
+    copy it there (O(requests) per step)."""
+    timeout = req.follow_timeout[r]
+    follow = jnp.where(timeout > 0, state.arrival[r] + timeout, 0)
+    return jnp.where(req.follow_up[r], follow, req.deadline[r])
+
+
 def arm_timeout(state: EngineState, params: EngineParams, req: RequestArrays, r, active) -> EngineState:
     """A follow-up joined the queue: its timeout fires at its deadline if 0 < deadline ≤ horizon."""
-    deadline = state.deadline[r]
+    deadline = deadline_of(state, req, r)
     arm = active & req.follow_up[r] & (deadline > 0) & (deadline <= params.horizon_us)
     at = jnp.where(arm, req.session_slot[r], state.sess_deadline.shape[0])
     return dataclasses.replace(
@@ -72,15 +81,14 @@ def on_completion(state: EngineState, params: EngineParams, req: RequestArrays, 
     arrival = done_at + req.think_time[r]
     generate = in_session & (nxt >= 0) & (arrival <= params.horizon_us)
     nxt_safe = jnp.maximum(nxt, 0)
-    row_at = jnp.where(generate, nxt_safe, state.arrival.shape[0])
     slot_at = jnp.where(generate, slot, state.sess_enqueue.shape[0])
     enqueue = arrival + latency.queueing_time_us(model, req.input_len[nxt_safe])
-    timeout = req.follow_timeout[nxt_safe]
     return dataclasses.replace(
         state,
-        arrival=state.arrival.at[row_at].set(arrival, mode="drop"),
-        enqueue_time=state.enqueue_time.at[row_at].set(enqueue, mode="drop"),
-        deadline=state.deadline.at[row_at].set(jnp.where(timeout > 0, arrival + timeout, 0), mode="drop"),
+        # Only `arrival` is written per request here: the round's enqueue time lives in its
+        # slot and its deadline is derived (deadline_of); writing either array in this loop
+        # made XLA copy it on every step.
+        arrival=state.arrival.at[jnp.where(generate, nxt_safe, state.arrival.shape[0])].set(arrival, mode="drop"),
         sess_enqueue=state.sess_enqueue.at[slot_at].set(enqueue, mode="drop"),
         sess_req=state.sess_req.at[slot_at].set(nxt.astype(jnp.int32), mode="drop"),
         sess_seq=state.sess_seq.at[slot_at].set(state.follow_ups, mode="drop"),

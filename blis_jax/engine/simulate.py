@@ -182,8 +182,30 @@ def simulate_sessions(
     return settled, out.take(rows)
 
 
+def simulate_traced(
+    requests: RequestSet,
+    sessions: SessionLinks | None,
+    params: EngineParams,
+    model,
+    *,
+    events_per_chunk: int = 16_384,
+    **kwargs,
+):
+    """`simulate_sessions` that also returns the step trace for fitting: (requests, outputs,
+    (step start µs, step duration µs, latency basis [S, 11], first-token step per request))."""
+    links = sessions if sessions is not None else SessionLinks.none(len(requests))
+    state, dims, code, itl_reader = _drive(requests, links, params, model, events_per_chunk=events_per_chunk,
+                                           trace_steps=True, **kwargs)
+    out = to_output(state, dims, params, requests, code, itl_reader)
+    host = jax.device_get((state.arrival, state.out_first_step))
+    rows, settled = settle_sessions(requests, links, np.asarray(host[0])[: len(requests)])
+    start, duration, basis = itl_reader.step_trace()
+    return settled, out.take(rows), (start, duration, basis, np.asarray(host[1])[: len(requests)][rows])
+
+
 def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler: str = "fcfs",
-           preemption_policy: str = "fcfs", events_per_chunk: int = 200_000, progress=None):
+           preemption_policy: str = "fcfs", events_per_chunk: int = 200_000, progress=None,
+           trace_steps: bool = False):
     """Run to the end in chunks, growing the buffers and rerunning on an overflow result code.
     Returns (final state, dims, result code, ITL log reader)."""
     for value, allowed, flag in ((scheduler, ("fcfs", "priority-fcfs", "sjf"), "--scheduler"),
@@ -206,6 +228,7 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
             growth=growth,
             step_log=events_per_chunk,  # read after every chunk, which has at most this many steps
             num_sessions=sessions.num_sessions if sessions is not None else 0,
+            trace_steps=trace_steps,
         )
         req = request_arrays(requests, dims, sessions)
         state = start(dims, params, req, model)

@@ -20,7 +20,7 @@ import dataclasses
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int32, Int64
+from jaxtyping import Array, Bool, Float64, Int32, Int64
 
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.params import INF_TIME
@@ -49,7 +49,7 @@ class RequestArrays(eqx.Module):
     arrival: Int64[Array, " N"]
     input_len: Int64[Array, " N"]
     output_len: Int64[Array, " N"]
-    deadline: Int64[Array, " N"]  # absolute µs, 0 = none
+    deadline: Int64[Array, " N"]  # absolute µs, 0 = none (follow-up rounds: see sessions.deadline_of)
     prefix_group: Int32[Array, " N"]  # -1 = none
     shared_blocks: Int64[Array, " N"]  # full blocks shared with the prefix group
     priority: Int64[Array, " N"]  # vLLM convention: lower = more urgent
@@ -76,9 +76,8 @@ class EngineState(eqx.Module):
     num_static: Int32[Array, ""]
     enqueue_order: Int32[Array, " N"]  # request at each enqueue position (written at enqueue)
     enqueue_rank: Int32[Array, " N"]  # enqueue position of each request (NOT_ENQUEUED before)
-    enqueue_time: Int64[Array, " N"]  # per request: arrival + queueing delay (INF until known)
+    enqueue_time: Int64[Array, " N"]  # static requests: arrival + queueing delay (follow-ups: INF; see sessions.py)
     arrival: Int64[Array, " N"]  # injection time; a follow-up round's is set when it is generated (-1 before)
-    deadline: Int64[Array, " N"]  # absolute µs, 0 = none
     deadline_order: Int32[Array, " N"]  # static deadlines (follow-ups' are in the session slots)
     num_deadlines: Int32[Array, ""]
 
@@ -105,6 +104,7 @@ class EngineState(eqx.Module):
     out_admit_step: Int64[Array, " N"]  # step of the last admission (ITL samples start after it)
     out_run_first: Int64[Array, " N"]  # the open decode run at exit: first and last step, -1 none
     out_run_last: Int64[Array, " N"]
+    out_first_step: Int64[Array, " N"]  # step that produced the first token (step trace)
     finished: Int64[Array, ""]  # requests that left (completed, timed out, dropped)
 
     # block-table rows
@@ -121,6 +121,7 @@ class EngineState(eqx.Module):
     row_admit_step: Int64[Array, " R"]
     row_run_first: Int64[Array, " R"]  # current decode run (consecutive decoding steps), -1 none
     row_run_last: Int64[Array, " R"]
+    row_first_step: Int64[Array, " R"]
     row_nblocks: Int32[Array, " R"]
     row_blocks: Int32[Array, "R B"]
 
@@ -153,6 +154,10 @@ class EngineState(eqx.Module):
     run_first: Int64[Array, " RL"]
     run_last: Int64[Array, " RL"]
     run_len: Int32[Array, ""]  # entries since the last host read
+    # step trace (dims.trace_steps; one dummy entry otherwise), by step index modulo L
+    step_start: Int64[Array, " T"]
+    step_dur: Int64[Array, " T"]
+    step_basis: Float64[Array, "T 11"]
 
     # counters
     preemptions: Int64[Array, ""]
@@ -202,7 +207,6 @@ def init_state(
         enqueue_rank=jnp.full(n, NOT_ENQUEUED, jnp.int32),
         enqueue_time=enq_t,
         arrival=jnp.where(req.follow_up, -1, req.arrival),
-        deadline=jnp.where(req.follow_up, 0, req.deadline),
         deadline_order=deadline_order,
         num_deadlines=jnp.sum(has_dl).astype(jnp.int32),
         sess_enqueue=jnp.full(dims.sessions, INF_TIME, jnp.int64),
@@ -223,6 +227,7 @@ def init_state(
         out_admit_step=jnp.full(n, -1, jnp.int64),
         out_run_first=jnp.full(n, -1, jnp.int64),
         out_run_last=jnp.full(n, -1, jnp.int64),
+        out_first_step=jnp.full(n, -1, jnp.int64),
         finished=i64(0),
         row_req=jnp.full(r, -1, jnp.int32),
         row_state=jnp.zeros(r, jnp.int32),
@@ -237,6 +242,7 @@ def init_state(
         row_admit_step=jnp.full(r, -1, jnp.int64),
         row_run_first=jnp.full(r, -1, jnp.int64),
         row_run_last=jnp.full(r, -1, jnp.int64),
+        row_first_step=jnp.full(r, -1, jnp.int64),
         row_nblocks=jnp.zeros(r, jnp.int32),
         row_blocks=jnp.full((r, dims.blocks_per_request), -1, jnp.int32),
         batch_rows=jnp.full(s, -1, jnp.int32),
@@ -263,6 +269,9 @@ def init_state(
         run_first=jnp.zeros(dims.run_log, jnp.int64),
         run_last=jnp.zeros(dims.run_log, jnp.int64),
         run_len=i32(0),
+        step_start=jnp.zeros(dims.trace_log, jnp.int64),
+        step_dur=jnp.zeros(dims.trace_log, jnp.int64),
+        step_basis=jnp.zeros((dims.trace_log, 11), jnp.float64),
         preemptions=i64(0),
         kv_hits=i64(0),
         kv_misses=i64(0),
@@ -322,5 +331,6 @@ def log_exit(state: EngineState, dims: EngineDims, r, status, active, *, row=Non
             out_admit_step=state.out_admit_step.at[at_row].set(state.row_admit_step[safe], mode="drop"),
             out_run_first=state.out_run_first.at[at_row].set(state.row_run_first[safe], mode="drop"),
             out_run_last=state.out_run_last.at[at_row].set(state.row_run_last[safe], mode="drop"),
+            out_first_step=state.out_first_step.at[at_row].set(state.row_first_step[safe], mode="drop"),
         )
     return dataclasses.replace(state, **upd)

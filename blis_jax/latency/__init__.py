@@ -15,3 +15,4 @@ from blis_jax.latency.model import step_time_us as step_time_us
 from blis_jax.latency.model import truncate_us as truncate_us
 from blis_jax.latency.model import with_coefficients as with_coefficients
 from blis_jax.latency.trained_physics import basis as trained_physics_basis  # noqa: F401
+from blis_jax.latency.trained_physics import basis_vector as trained_physics_basis_vector  # noqa: F401

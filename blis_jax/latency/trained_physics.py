@@ -135,3 +135,25 @@ def step_time(m: "LatencyModel", f: BatchFeatures) -> Float[Array, ""]:
     if mode >= 8:
         total = total + beta[7] * x["interleaved_moe_layers"]
     return jnp.where(x["batch"] > 0, total, 0.0)
+
+
+BASIS_ORDER = ("pf_compute", "dc_compute", "weight", "tp_comm", "layers", "batch", "step", "interleaved_moe_layers",
+               "pf_kv", "dc_kv", "moe_dispatch")
+
+
+def basis_vector(m: "LatencyModel", f: BatchFeatures) -> Float[Array, " 11"]:
+    """Basis values in beta's slice order, so that step_time == beta @ basis_vector in the
+    linear modes (10 or 11 betas); zeros for an empty batch. With fewer than 11 betas β_EP is
+    β₄, so the MoE dispatch term is folded into slot 3."""
+    x = basis(m, f)
+    nonempty = (x["batch"] > 0).astype(jnp.float64)
+    ep_own = m.num_betas >= 11
+    v = jnp.stack([
+        x["pf_compute"], x["dc_compute"], x["weight"],
+        x["tp_comm"] + (0.0 if ep_own else x["moe_dispatch"]),
+        x["layers"], x["batch"], jnp.float64(1.0),
+        x["interleaved_moe_layers"] if m.num_betas >= 8 else jnp.float64(0.0),
+        x["pf_kv"], x["dc_kv"],
+        x["moe_dispatch"] if ep_own else jnp.float64(0.0),
+    ])
+    return v * nonempty
