@@ -10,6 +10,7 @@ code 2; diagnostics and progress never go to stdout.
 ``convert preset|inference-perf`` and ``compose`` print a workload spec v2 YAML (spec §1.5;
 logic in ``workload.convert``); ``calibrate`` compares an observed TraceV2 with the results
 file of replaying it and writes a JSON ``--report`` (spec §1.4; logic in ``calibrate``).
+``fit`` fits trained-physics coefficients to observed mean latencies (logic in ``blis_jax.fit``).
 
 Flag defaults are BLIS's (spec blis-features §1.1-§1.2), except ``--model``: BLIS requires
 it, blis-jax defaults it to meta-llama/llama-3.1-8b-instruct so that a bare ``blis-jax run``
@@ -315,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="do not use JAX's persistent compilation cache (default: on, in "
                              "$XDG_CACHE_HOME/blis-jax/jax-cache; env BLIS_JAX_COMPILE_CACHE=DIR or 0)")
-    sub = parser.add_subparsers(dest="command", metavar="{run,replay,convert,compose,calibrate,sweep,plan}",
+    sub = parser.add_subparsers(dest="command", metavar="{run,replay,convert,compose,calibrate,sweep,plan,fit}",
                                 parser_class=_Parser)
     sub.required = True
     run = sub.add_parser("run", allow_abbrev=False, help="generate a workload and simulate it",
@@ -331,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert_parsers(sub)
     _add_calibrate_parser(sub)
     _add_sweep_parsers(sub)
+    _add_fit_parser(sub)
     return parser
 
 
@@ -351,6 +353,18 @@ def cmd_plan(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     from blis_jax.sweep import commands
 
     return commands.cmd_plan(args, stdout, stderr, diag)
+
+
+def _add_fit_parser(sub) -> None:
+    from blis_jax.fit import commands  # flags and logic live in blis_jax/fit/
+
+    commands.add_parser(sub)
+
+
+def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    from blis_jax.fit import commands
+
+    return commands.cmd_fit(args, stdout, stderr, diag)
 
 
 # ---------------------------------------------------------------------------- diagnostics
@@ -549,13 +563,7 @@ def _check_output_paths(args) -> None:
     """Fail before simulating when an output cannot be written."""
     for flag, value in (("--metrics-path", args.metrics_path), ("--results-path", args.results_path),
                         ("--trace-output", args.trace_output)):
-        if value is None:
-            continue
-        if value == "":
-            raise ConfigError(f"{flag}: empty path; give a file name or omit the flag")
-        parent = Path(value).parent
-        if not parent.is_dir():
-            raise ConfigError(f"{flag} {value}: directory {str(parent)!r} does not exist; create it first")
+        _check_output_file(flag, value)
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -850,7 +858,7 @@ def cmd_calibrate(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> in
 
 COMMANDS: dict[str, Callable] = {"run": cmd_run, "replay": cmd_replay, "convert": cmd_convert,
                                  "compose": cmd_compose, "calibrate": cmd_calibrate,
-                                 "sweep": cmd_sweep, "plan": cmd_plan}
+                                 "sweep": cmd_sweep, "plan": cmd_plan, "fit": cmd_fit}
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,

@@ -9,8 +9,9 @@
   experiments moves by tens of percent between seeds (`test_seed_spread_brackets_blis`), so
   several experiments miss the tolerance; those failures are real and stay visible there.
 
-The default run simulates the smallest experiment (reasoning-lite, 1200 requests) under both
-latency models, batched, and checks it against the pins.
+The default run simulates the smallest experiment (reasoning-lite, 1200 requests) through the
+`run` command line and checks it against the pins; `pytest -m slow` also runs it batched under
+both latency models, and every experiment.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _pinned(kind: str) -> dict:
 
 
 @needs_blis_ref
+@pytest.mark.slow  # the default run checks experiment 67 through the CLI (next test)
 @pytest.mark.parametrize("kind", sorted(golden.REFERENCE_FILES))
 def test_small_experiment_matches_the_pins(kind, tmp_path):
     exps = _experiments(kind, SMALL[kind])

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_helpers import latency_model, params_from, random_scenario, small_dims
+from engine_helpers import dims_floor, latency_model, params_from, random_scenario, small_dims
 
 from blis_jax.engine import events, results
 from blis_jax.engine import simulate as sim
@@ -109,8 +109,14 @@ def test_full_logs_set_a_growable_result_bit(step_log, run_log, bit):
 def test_a_small_chunk_and_log_give_the_same_output_as_one_chunk():
     requests = random_scenario(11, n=60, rate_rps=80.0)
     params = params_from({**SETTINGS, "max_num_seqs": 16})
-    whole = sim.simulate_instance(requests, params, latency_model())
-    chunked = sim.simulate_instance(requests, params, latency_model(), events_per_chunk=37)
+    # one program shape for both runs (the chunk size sets the step-log capacity)
+    floor = {("fcfs", "fcfs"): sim.choose_dims(
+        input_len=requests.input_len, output_len=requests.output_len, prefix_group=requests.prefix_group,
+        prefix_len=requests.prefix_len, max_num_seqs=16, max_num_batched_tokens=256, total_kv_blocks=500,
+        block_size=16, step_log=200_000)}
+    with dims_floor(floor):
+        whole = sim.simulate_instance(requests, params, latency_model())
+        chunked = sim.simulate_instance(requests, params, latency_model(), events_per_chunk=37)
     assert whole.result == chunked.result == 0
     np.testing.assert_array_equal(whole.itl_samples(), chunked.itl_samples())
     for name in ("itl_step_us", "itl_runs", "ttft_us", "e2e_us", "num_itl", "itl_sum_us"):

@@ -1,0 +1,174 @@
+"""`blis-jax fit`: flags, validation and outputs (the fitting itself is in fit/fit.py)."""
+
+from __future__ import annotations
+
+import math
+import shlex
+import tempfile
+from pathlib import Path
+from typing import TextIO
+
+from blis_jax.config.coefficients import DEFAULT_FIT, load_coefficients
+from blis_jax.errors import ConfigError
+
+LOG_LEVELS = ("trace", "debug", "info", "warn", "warning", "error", "fatal", "panic")
+DEFAULTS = {"outer": 4, "steps": 1000, "lr": 0.05, "trust": 0.5, "patience": 2, "schedule_model": "local"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "fit", allow_abbrev=False, help="fit trained-physics coefficients to observed mean latencies",
+        description="Fit trained-physics coefficients to observed mean TTFT / E2E (trainval15.json format) with "
+                    "BLIS's loss: RMSE of APE(mean TTFT) + RMSE of APE(mean E2E) over experiments, in percent. "
+                    "Outer loop: simulate every experiment at the current coefficients; inner loop: adam on the "
+                    "loss with the simulated schedules held fixed; the best *simulated* loss is kept. Progress "
+                    "goes to stderr, the tables to stdout.")
+    g = p.add_argument_group("inputs")
+    g.add_argument("--observed", required=True, metavar="FILE",
+                   help="observed experiments JSON (../shared/reference/observed/trainval15.json)")
+    g.add_argument("--start", default=str(DEFAULT_FIT), metavar="FILE",
+                   help="start coefficients, a fits/*.yaml file with 10 or 11 betas (default: the shipped "
+                        "fits/trained-physics-iter29.yaml)")
+    g.add_argument("--experiments", default=None, metavar="ID,...",
+                   help="fit on these experiment ids only (default: all in --observed)")
+    g = p.add_argument_group("what to fit")
+    g.add_argument("--params", default=None, metavar="NAME,...",
+                   help="coefficients to fit: alpha0..alpha2, beta0..beta10 (slice index of the beta list) or "
+                        "BLIS names b1a,b2a,b3,b4,b5,b6,b7,b8,b1b,b2b,bEP (beta2 = b3 = weight loading), or 'all' "
+                        "(default: every coefficient that is non-zero in --start)")
+    g.add_argument("--bounds", default=None, metavar="NAME=LO:HI,...",
+                   help="bounds of fitted coefficients, either side may be empty (default [0, inf)), "
+                        "e.g. b3=0.5:3,alpha0=:20000")
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--outer", type=int, default=DEFAULTS["outer"], metavar="N",
+                   help=f"outer iterations: proposals re-simulated on every experiment (default "
+                        f"{DEFAULTS['outer']}; 0 = only evaluate --start)")
+    g.add_argument("--steps", type=int, default=DEFAULTS["steps"], metavar="K",
+                   help=f"adam steps per outer iteration on the fixed-schedule loss (default {DEFAULTS['steps']})")
+    g.add_argument("--lr", type=float, default=DEFAULTS["lr"],
+                   help=f"adam learning rate in the transformed space, cosine-decayed (default {DEFAULTS['lr']})")
+    g.add_argument("--trust", type=float, default=DEFAULTS["trust"], metavar="R",
+                   help="trust region: a coefficient moves at most by a factor e^R per outer iteration (above "
+                        f"its lower bound); halved after a rejected proposal (default {DEFAULTS['trust']})")
+    g.add_argument("--patience", type=int, default=DEFAULTS["patience"], metavar="N",
+                   help=f"stop after N proposals in a row without a better simulated loss (default "
+                        f"{DEFAULTS['patience']})")
+    g.add_argument("--schedule-model", choices=("local", "chained"), default=DEFAULTS["schedule_model"],
+                   help="fixed-schedule latency model of the inner loop: local (each request's wait local to its "
+                        "own window, default) or chained (blis_jax.fit.schedule.predict_latencies)")
+    g.add_argument("--cv", choices=("loeo", "lomo"), default=None,
+                   help="also cross-validate: leave one experiment out / leave one model out (one fit per fold, "
+                        "the held-out experiments simulated with the fold's coefficients)")
+    g = p.add_argument_group("outputs")
+    g.add_argument("--output", default=None, metavar="FILE",
+                   help="write the fitted coefficients as a fits/*.yaml file (for run --coefficients)")
+    g.add_argument("--name", default=None, help="name in the coefficient file (default: the --output file stem)")
+    g.add_argument("--report", default=None, metavar="DIR",
+                   help="write report.json, report.md and predicted_vs_observed.png to DIR (created)")
+    g.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--log", default="warn", choices=LOG_LEVELS, metavar="LEVEL",
+                   help="stderr verbosity: warnings are printed at warn and below (default warn)")
+
+
+def _command_line(args) -> str:
+    """The fit's command line, rebuilt from the parsed flags (every value explicit)."""
+    parts = ["blis-jax", "fit", "--observed", args.observed, "--start", args.start]
+    for flag, value in (("--experiments", args.experiments), ("--params", args.params), ("--bounds", args.bounds)):
+        if value is not None:
+            parts += [flag, value]
+    parts += ["--outer", str(args.outer), "--steps", str(args.steps), "--lr", repr(args.lr), "--trust",
+              repr(args.trust), "--patience", str(args.patience), "--schedule-model", args.schedule_model]
+    for flag, value in (("--cv", args.cv), ("--output", args.output), ("--name", args.name),
+                        ("--report", args.report)):
+        if value is not None:
+            parts += [flag, value]
+    return shlex.join(parts)
+
+
+def _validate(args) -> None:
+    if args.outer < 0:
+        raise ConfigError(f"--outer {args.outer}: must be >= 0 (0 only evaluates --start)")
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: must be >= 1")
+    if args.patience < 1:
+        raise ConfigError(f"--patience {args.patience}: must be >= 1")
+    for flag, value in (("--lr", args.lr), ("--trust", args.trust)):
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} {value:g}: must be a number > 0")
+    if args.output is not None:
+        if not args.output:
+            raise ConfigError("--output: empty path; give a file name or omit the flag")
+        parent = Path(args.output).parent
+        if not parent.is_dir():
+            raise ConfigError(f"--output {args.output}: directory {str(parent)!r} does not exist; create it first")
+    if args.report is not None:
+        report = Path(args.report)
+        if not args.report or (report.exists() and not report.is_dir()):
+            raise ConfigError(f"--report {args.report!r}: must be a directory path")
+        if not report.parent.is_dir():
+            raise ConfigError(f"--report {args.report}: directory {str(report.parent)!r} does not exist; "
+                              "create it first")
+
+
+def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
+    from blis_jax import __version__
+    from blis_jax.fit import fit as F
+    from blis_jax.fit import report as R
+    from blis_jax.fit.observed import load_observed, prediction_loss
+
+    _validate(args)
+    observed = load_observed(args.observed)
+    ids = None if args.experiments is None else [i.strip() for i in args.experiments.split(",") if i.strip()]
+    selected = observed.select(ids)
+    start_path = Path(args.start)
+    coeffs = load_coefficients(start_path)
+    theta0, num_betas = F.start_vector(coeffs)
+    free = F.parse_params(args.params, theta0, num_betas)
+    lo, hi = F.parse_bounds(args.bounds, free, num_betas)
+    if args.cv:
+        F.cv_groups(selected, args.cv)          # fail early: fewer than 2 groups to hold out
+    settings = F.FitSettings(free=tuple(free), lo=lo, hi=hi, outer=args.outer, steps=args.steps, lr=args.lr,
+                             trust=args.trust, patience=args.patience, schedule_model=args.schedule_model)
+    F.check_settings(theta0, settings)
+
+    def say(line: str) -> None:
+        if not args.quiet:
+            stderr.write(f"blis-jax: {line}\n")
+            stderr.flush()
+
+    say(f"{len(selected)} experiment(s), fitting {', '.join(F.coefficient_label(k) for k in free)} "
+        f"from {start_path}")
+    with tempfile.TemporaryDirectory(prefix="blis-jax-fit-") as work:
+        exps = F.prepare(selected, theta0, num_betas, work)
+    sim = F.Simulator(progress=say, keep=theta0)
+    result = F.fit(exps, theta0, settings, sim, progress=say)
+    cv = F.cross_validate(exps, theta0, settings, args.cv, sim, progress=say) if args.cv else None
+
+    reference = None
+    if all("blis_trained_physics" in p.obs.predictions for p in exps):
+        reference = prediction_loss([p.obs for p in exps], "blis_trained_physics")
+    command = _command_line(args)
+    name = args.name or (Path(args.output).stem if args.output else "blis-jax-fit")
+    doc = R.coefficient_document(
+        name=name, result=result, exps=exps, num_betas=num_betas, observed_path=str(args.observed),
+        observed_sha256=observed.sha256, start_path=str(start_path), start_name=coeffs.provenance.get("name"),
+        free=free, lo=lo, hi=hi, command=command, version=__version__, cv=cv,
+        settings={"outer": args.outer, "steps": args.steps, "lr": args.lr, "trust": args.trust,
+                  "patience": args.patience, "schedule_model": args.schedule_model})
+    if args.output:
+        R.write_coefficients(args.output, doc)
+        load_coefficients(args.output)      # what we wrote must load
+    if args.report:
+        R.write_report(args.report, exps, result, num_betas, free, doc, cv, reference)
+
+    stdout.write(R.experiment_table(exps, result))
+    stdout.write(R.loss_lines(result, reference))
+    stdout.write(R.coefficient_table(result.start.theta, result.theta, num_betas, free))
+    if cv is not None:
+        stdout.write(R.cv_table(cv))
+    if args.output:
+        stdout.write(f"coefficients: {args.output} (blis-jax run --coefficients {args.output})\n")
+    if args.report:
+        stdout.write(f"report: {args.report}/report.md, {args.report}/{R.PLOT_FILE}\n")
+    stdout.flush()
+    return 0
