@@ -219,9 +219,10 @@ def plot_predicted_vs_observed(path: str | Path, exps: Sequence[Prepared], resul
             ax.annotate(p.id, (obs[i], fitted[i]), fontsize=7, xytext=(4, -3), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        for axis in (ax.xaxis, ax.yaxis):   # plain numbers, not 3×10¹
+        for axis in (ax.xaxis, ax.yaxis):   # ticks at 1, 2, 5 × 10^k as plain numbers, not 3×10¹
+            axis.set_major_locator(matplotlib.ticker.LogLocator(base=10.0, subs=(1.0, 2.0, 5.0)))
             axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-            axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: ""))
+            axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlim(lo, hi)
         ax.set_ylim(lo, hi)
         ax.set_xlabel(f"observed {title}")
