@@ -153,6 +153,7 @@ def test_request_records_match_metrics_json(case_id):
     assert all(c.requests.arrival_us[row[rid]] > horizon for rid in not_arrived)
 
 
+@pytest.mark.slow  # a property of the test harness itself; `pytest -m slow`
 def test_dims_floor_changes_nothing():
     """The shared-capacity runs above equal an unpatched `simulate_instance` run with the dims
     it picks itself (B01: preemption, prefix re-hits, and a free ring 64x smaller, so ring

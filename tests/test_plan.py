@@ -44,6 +44,7 @@ def meets(m: dict) -> bool:
     return m["ttft_p99_ms"] <= SLO_TTFT_MS and m["completed_requests"] == m["injected_requests"]
 
 
+@pytest.mark.slow  # two extra runs per answer; `pytest -m slow`
 def test_largest_rate_checks_out(tmp_path):
     grid = tmp_path / "plan.yaml"
     grid.write_text(yaml.safe_dump({"base": BASE, "axes": {"rate": RATES}}))
