@@ -26,7 +26,7 @@ from blis_jax.cli import (
 )
 from blis_jax.workload.tracev2 import REQUIRED_COLUMNS
 
-from shared_data import BLIS_DIFF, SHARED  # noqa: E402
+from shared_data import BLIS_DIFF  # noqa: E402
 from shared_data import needs_blis_diff as needs_shared  # noqa: E402
 
 # BLIS MetricsOutput fields of a plain single-instance run, in BLIS's order (spec §1.9).
@@ -341,12 +341,11 @@ def test_model_defaults_and_auto_capacity():
         (2, 100, 1600, "roofline")
 
 
+@needs_shared
 def test_workload_spec_run_and_bad_key(tmp_path, capsys):
     """--workload-spec: a v2 spec drives `run` (--num-requests overrides the spec); an unknown
     key in the spec is one error line naming it."""
-    spec = SHARED / "reference" / "blis-diff" / "C01_multiclient_poisson_gamma_weibull" / "workload.yaml"
-    if not spec.exists():
-        pytest.skip("../shared/reference/blis-diff is not beside this checkout")
+    spec = BLIS_DIFF / "C01_multiclient_poisson_gamma_weibull" / "workload.yaml"
     rc, out, err = cli("run", "--workload-spec", str(spec), "--num-requests", "40", "--max-num-seqs", "256")
     assert rc == 0, err
     block = metrics_blocks(out)[-1]
