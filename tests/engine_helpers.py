@@ -26,7 +26,7 @@ import numpy as np
 from blis_jax.config import load_gpu, load_model
 from blis_jax.engine import output as so
 from blis_jax.engine import simulate as sim
-from blis_jax.engine.dims import EngineDims
+from blis_jax.engine.dims import CAPACITY_FIELDS, EngineDims
 from blis_jax.engine.params import make_engine_params
 from blis_jax.latency import build_latency_model
 from blis_jax.workload.requests import RequestSet, make_request_set
@@ -38,8 +38,7 @@ BLOCK_SIZE = 16
 
 # Capacities of EngineDims that may be raised without changing the simulated behaviour: every
 # integer field but the block size (strings are structure: scheduler, preemption policy).
-GROWABLE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineDims)
-                        if f.name != "block_size" and f.type in (int, "int"))
+GROWABLE_FIELDS = CAPACITY_FIELDS
 
 
 # ----------------------------------------------------------------------------- latency / params

@@ -135,3 +135,15 @@ def _whole_run_steps(input_len: np.ndarray, output_len: np.ndarray, max_num_batc
     chunk = max(int(max_num_batched_tokens), 1)
     prefill = -(-np.asarray(input_len, np.int64) // chunk)
     return int((prefill + np.maximum(output_len, 1)).sum()) + len(input_len) + 1
+
+
+# Capacities that may be raised without changing what is simulated: every integer field but the
+# block size (strings and flags are structure).
+CAPACITY_FIELDS = tuple(f.name for f in dataclasses.fields(EngineDims)
+                        if f.type in (int, "int") and f.name != "block_size")
+
+
+def cover(dims: list[EngineDims] | tuple[EngineDims, ...]) -> EngineDims:
+    """The smallest dims at least as large as each of `dims` (one structure), so runs of
+    different sizes can share one compiled program."""
+    return dataclasses.replace(dims[0], **{f: max(getattr(d, f) for d in dims) for f in CAPACITY_FIELDS})

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blis_jax.engine import results, simulate
-from blis_jax.engine.dims import EngineDims, choose_dims
+from blis_jax.engine.dims import EngineDims, choose_dims, cover
 from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.output import SimOutput
 from blis_jax.workload.requests import RequestSet
@@ -28,7 +28,6 @@ from blis_jax.workload.sessions import SessionLinks, settle_sessions
 
 _LOG_FIELDS = ("steps", "step_log_base", "step_sample", "run_len", "run_req", "run_first", "run_last",
                "step_start", "step_dur", "step_basis")
-_CAPACITIES = tuple(f.name for f in dataclasses.fields(EngineDims) if f.type in (int, "int") and f.name != "block_size")
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -80,12 +79,8 @@ def _lane_dims(requests: RequestSet, links: SessionLinks | None, params, block_s
                        num_sessions=links.num_sessions if links is not None else 0)
 
 
-def _cover(dims: Sequence[EngineDims]) -> EngineDims:
-    return dataclasses.replace(dims[0], **{f: max(getattr(d, f) for d in dims) for f in _CAPACITIES})
-
-
 def _run_group(lanes, block_size: int, events_per_chunk: int, progress):
-    dims = _cover([_lane_dims(r, links, p, block_size, events_per_chunk) for r, links, p, _ in lanes])
+    dims = cover([_lane_dims(r, links, p, block_size, events_per_chunk) for r, links, p, _ in lanes])
     params = _stack([p for _, _, p, _ in lanes])
     req = _stack([simulate.request_arrays(r, dims, links) for r, links, _, _ in lanes])
     model = _stack([m for _, _, _, m in lanes])

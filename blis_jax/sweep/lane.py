@@ -24,14 +24,10 @@ import jax
 import numpy as np
 
 from blis_jax.engine import simulate
-from blis_jax.engine.dims import EngineDims, choose_dims
+from blis_jax.engine.dims import EngineDims, choose_dims, cover
 from blis_jax.engine.params import EngineParams
 from blis_jax.workload.requests import RequestSet
 
-# EngineDims capacities that may be raised without changing the simulation: every integer
-# field but the block size (strings are structure).
-_CAPACITIES = tuple(f.name for f in dataclasses.fields(EngineDims)
-                    if f.name != "block_size" and f.type in (int, "int"))
 
 
 def run_instance(dims: EngineDims, inputs):
@@ -70,10 +66,7 @@ class InstanceLane:
     @staticmethod
     def cover(dims: Sequence[EngineDims]) -> EngineDims:
         """The smallest dims at least as large as each of `dims` (one structure)."""
-        out = dims[0]
-        for d in dims[1:]:
-            out = dataclasses.replace(out, **{f: max(getattr(out, f), getattr(d, f)) for f in _CAPACITIES})
-        return out
+        return cover(list(dims))
 
     def inputs(self, dims: EngineDims):
         return (self.params, simulate.request_arrays(self.requests, dims), self.model)
