@@ -57,6 +57,7 @@ class EngineDims:
     preemption_policy: str = "fcfs"
     wait_slots: int = 8  # wait-window capacity for priority-ordered schedulers
     window: int = 1024  # in-flight request window (consecutive enqueue positions)
+    inbox: int = 64  # cluster instances: routed requests awaiting their enqueue (inbox.py)
 
     @property
     def trace_log(self) -> int:
@@ -126,6 +127,7 @@ def choose_dims(
         preemption_policy=preemption_policy,
         wait_slots=bucket(min(max(n, 1), 4096) * growth) if scheduler != "fcfs" else 8,
         window=bucket(min(max(n, 1), 4096) * growth),
+        inbox=64 * growth,
     )
 
 

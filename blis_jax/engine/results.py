@@ -12,6 +12,7 @@ ALLOC_OVERFLOW = 1 << 3  # one allocation needed more than alloc_blocks blocks
 WINDOW_FULL = 1 << 6  # requests in flight span more than `window` enqueue positions
 STEP_LOG_FULL = 1 << 7  # more steps since the last host read than the step log holds
 RUN_LOG_FULL = 1 << 8  # more gap-closed decode runs since the last host read than the run log holds
+INBOX_FULL = 1 << 9  # more routed requests awaiting their enqueue at one instance than the inbox holds
 
 _NAMES = {
     ROWS_FULL: "rows_full",
@@ -21,9 +22,11 @@ _NAMES = {
     WINDOW_FULL: "window_full",
     STEP_LOG_FULL: "step_log_full",
     RUN_LOG_FULL: "run_log_full",
+    INBOX_FULL: "inbox_full",
 }
 
-GROWABLE = ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL | WINDOW_FULL | STEP_LOG_FULL | RUN_LOG_FULL
+GROWABLE = (ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL | WINDOW_FULL | STEP_LOG_FULL | RUN_LOG_FULL
+            | INBOX_FULL)
 
 
 def describe(code: int) -> str:

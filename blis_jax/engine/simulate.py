@@ -83,51 +83,60 @@ def start(dims: EngineDims, params: EngineParams, req: RequestArrays, model) -> 
     return init_state(dims, req, enqueue_time, params.horizon_us, params.total_kv_blocks)
 
 
-def _body(state: EngineState, dims, params, req, model, active=True) -> EngineState:
+def _body(state: EngineState, dims, params, req, model, active=True, until=INF_TIME) -> EngineState:
     """One engine step, after every enqueue and timeout event that comes before it; a no-op
-    when `active` is False.
+    when `active` is False. Only events before `until` (exclusive) run: a cluster runs its
+    instances up to its next cluster event, which goes first at equal times.
 
     Enqueues and timeouts are cheap; running them in an inner loop means the (vector-heavy)
     step logic executes once per step rather than once per event.
     """
 
-    def due(time, params):
-        return (time <= params.horizon_us) & (time < INF_TIME)
-
     def before_step(s, ops):
-        params, req, _, lane_active = ops
+        params, req, _, lane_active, until = ops
         kind, time = events.next_event(s, req)
-        return lane_active & (kind != events.STEP) & due(time, params) & ((s.result & results.GROWABLE) == 0)
+        return lane_active & (kind != events.STEP) & _due(time, params, until) & ((s.result & results.GROWABLE) == 0)
 
     def other_event(s, ops, on):
-        params, req, model, _ = ops
+        params, req, model, _, _ = ops
         kind, _ = events.next_event(s, req)
         s = events.enqueue(s, dims, params, req, model, on & (kind == events.ENQUEUE))
         s = events.timeout(s, dims, params, req, model, on & (kind == events.TIMEOUT))
         return dataclasses.replace(s, events=s.events + on)
 
-    state = masked_while(before_step, other_event, state, (params, req, model, jnp.asarray(active)))
+    until = jnp.asarray(until, jnp.int64)
+    state = masked_while(before_step, other_event, state, (params, req, model, jnp.asarray(active), until))
     kind, time = events.next_event(state, req)
-    go = active & (kind == events.STEP) & due(time, params) & ((state.result & results.GROWABLE) == 0)
+    go = active & (kind == events.STEP) & _due(time, params, until) & ((state.result & results.GROWABLE) == 0)
     state = events.step(state, dims, params, req, model, go)
     return dataclasses.replace(state, events=state.events + go)
 
 
-def finished(state: EngineState, params: EngineParams, req: RequestArrays):
+def _due(time, params: EngineParams, until=INF_TIME):
+    return (time <= params.horizon_us) & (time < INF_TIME) & (time < until)
+
+
+def finished(state: EngineState, params: EngineParams, req: RequestArrays, until=INF_TIME):
+    """No event left before `until` and the horizon (or a buffer overflowed)."""
     _, time = events.next_event(state, req)
-    return (time > params.horizon_us) | (time >= INF_TIME) | ((state.result & results.GROWABLE) != 0)
+    return ~_due(time, params, until) | ((state.result & results.GROWABLE) != 0)
 
 
-def _run(dims: EngineDims, state: EngineState, params, req, model, event_limit) -> EngineState:
+def run_until(dims: EngineDims, state: EngineState, params, req, model, event_limit, until=INF_TIME) -> EngineState:
+    """Process events before `until` (and the horizon) until none is left or the state has
+    counted `event_limit` events. Pure; `vmap`s over instances and scenarios."""
     def cond(s, ops):
-        params, req, _, limit = ops
-        return ~finished(s, params, req) & (s.events < limit)
+        params, req, _, limit, until = ops
+        return ~finished(s, params, req, until) & (s.events < limit)
 
     def body(s, ops, on):
-        params, req, model, _ = ops
-        return _body(s, dims, params, req, model, on)
+        params, req, model, _, until = ops
+        return _body(s, dims, params, req, model, on, until)
 
-    return masked_while(cond, body, state, (params, req, model, event_limit))
+    return masked_while(cond, body, state, (params, req, model, event_limit, jnp.asarray(until, jnp.int64)))
+
+
+_run = run_until
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
@@ -265,11 +274,13 @@ def in_flight(s, num_requests: int):
 
 
 def to_output(state: EngineState, dims: EngineDims, params: EngineParams, requests: RequestSet, code: int,
-              itl_reader: ItlLogReader | None = None) -> SimOutput:
+              itl_reader: ItlLogReader | None = None, *, clock_sees_arrivals: bool = True) -> SimOutput:
     """Device state → numpy SimOutput (per-request arrays trimmed to the request count).
 
     `itl_reader` holds the ITL log of earlier chunks; without it the state's own logs must
-    hold the whole run (as after `run_to_end` with a result code free of *_LOG_FULL bits)."""
+    hold the whole run (as after `run_to_end` with a result code free of *_LOG_FULL bits).
+    `clock_sees_arrivals`: the end time is at least the last arrival before the horizon (a
+    lone instance's clock is the cluster's; a cluster instance's own is set by its caller)."""
     from blis_jax.engine import output as out
     from blis_jax.engine import state as st
 
@@ -296,7 +307,7 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
     itl_step_us, itl_runs = (itl_reader or ItlLogReader()).finish(s, n, finished_ok)
     horizon = int(params.horizon_us)
     arrived = requests.arrival_us[requests.arrival_us <= horizon]
-    sim_end = max(int(s.sim_end), int(arrived.max()) if len(arrived) else 0)
+    sim_end = max(int(s.sim_end), int(arrived.max()) if len(arrived) and clock_sees_arrivals else 0)
     return SimOutput(
         status=output_status.astype(np.int8),
         ttft_us=ttft,
