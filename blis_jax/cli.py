@@ -41,6 +41,10 @@ from blis_jax.config import (
     load_model,
 )
 from blis_jax.config.coefficients import check_alpha, check_beta
+from blis_jax.cluster.admission import ADMISSION_POLICIES
+from blis_jax.cluster.routing import ROUTING_POLICIES
+from blis_jax.cluster.scorers import DEFAULT_PROFILE, SCORERS
+from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster
 from blis_jax.engine import results as result_codes
 from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
 from blis_jax.engine.params import make_engine_params
@@ -138,10 +142,31 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log", default="warn", choices=LOG_LEVELS, metavar="LEVEL",
                    help="stderr verbosity: warnings are printed at warn and below (default warn)")
     g.add_argument("--num-instances", type=int, default=1, metavar="N",
-                   help="instances in the cluster; only 1 for now (clusters: issue 4)")
+                   help="instances in the cluster (default 1)")
     g.add_argument("--progress", action="store_true",
                    help="print progress lines on stderr even when it is not a terminal "
                         "(on a terminal they appear for runs longer than a few seconds)")
+
+    g = p.add_argument_group("cluster: admission and routing")
+    g.add_argument("--admission-policy", choices=ADMISSION_POLICIES, default="always-admit",
+                   help="cluster admission (default always-admit)")
+    g.add_argument("--token-bucket-capacity", type=float, default=10_000, metavar="TOKENS",
+                   help="token-bucket size in prompt tokens (default 10000)")
+    g.add_argument("--token-bucket-refill-rate", type=float, default=1_000, metavar="TOKENS_PER_S",
+                   help="token-bucket refill, tokens/s (default 1000)")
+    g.add_argument("--admission-latency", type=int, default=0, metavar="US",
+                   help="arrival → admission decision, µs (default 0)")
+    g.add_argument("--routing-latency", type=int, default=0, metavar="US",
+                   help="admission → routing decision, µs (default 0)")
+    g.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="round-robin",
+                   help="instance choice (default round-robin)")
+    g.add_argument("--routing-scorers", default=None, metavar="NAME:W,...",
+                   help=f"weighted routing's scorers and weights (default {DEFAULT_PROFILE}); "
+                        f"scorers: {', '.join(SCORERS)}")
+    g.add_argument("--snapshot-refresh-interval", type=int, default=50_000, metavar="US",
+                   help="router's instance-signal staleness: re-read at most every US µs (default 50000; 0 = live)")
+    g.add_argument("--cache-signal-delay", type=int, default=50_000, metavar="US",
+                   help="router's prefix-cache view is re-taken every US µs (default 50000; 0 = live)")
 
     g = p.add_argument_group("model, hardware and latency")
     g.add_argument("--model", default=DEFAULT_MODEL,
@@ -316,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="do not use JAX's persistent compilation cache (default: on, in "
                              "$XDG_CACHE_HOME/blis-jax/jax-cache; env BLIS_JAX_COMPILE_CACHE=DIR or 0)")
-    sub = parser.add_subparsers(dest="command", metavar="{run,replay,convert,compose,calibrate,sweep,plan,fit}",
+    sub = parser.add_subparsers(dest="command",
+                                metavar="{run,replay,convert,compose,calibrate,sweep,plan,fit,sensitivity}",
                                 parser_class=_Parser)
     sub.required = True
     run = sub.add_parser("run", allow_abbrev=False, help="generate a workload and simulate it",
@@ -333,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibrate_parser(sub)
     _add_sweep_parsers(sub)
     _add_fit_parser(sub)
+    _add_sensitivity_parser(sub)
     return parser
 
 
@@ -365,6 +392,18 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     from blis_jax.fit import commands
 
     return commands.cmd_fit(args, stdout, stderr, diag)
+
+
+def _add_sensitivity_parser(sub) -> None:
+    from blis_jax.fit import sensitivity_commands  # flags and logic live in blis_jax/fit/
+
+    sensitivity_commands.add_parser(sub)
+
+
+def cmd_sensitivity(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    from blis_jax.fit import sensitivity_commands
+
+    return sensitivity_commands.cmd_sensitivity(args, stdout, stderr, diag)
 
 
 # ---------------------------------------------------------------------------- diagnostics
@@ -436,6 +475,28 @@ class Scenario:
     scheduler: str
     preemption_policy: str
     horizon_us: int | None
+    cluster: ClusterConfig = ClusterConfig()
+
+    @property
+    def single_instance(self) -> bool:
+        """Served by the single-instance engine: one instance that admits every request."""
+        return self.cluster.num_instances == 1 and self.cluster.admission_policy == "always-admit"
+
+
+def cluster_config(args) -> ClusterConfig:
+    """The cluster flags, validated (errors name the flag)."""
+    if args.num_instances < 1:
+        raise ConfigError(f"--num-instances {args.num_instances}: must be >= 1")
+    if args.routing_scorers is not None and args.routing_policy != "weighted":
+        raise ConfigError(f"--routing-scorers is used by --routing-policy weighted only, but the policy is "
+                          f"{args.routing_policy}; add --routing-policy weighted or drop --routing-scorers")
+    return ClusterConfig(
+        num_instances=args.num_instances, routing_policy=args.routing_policy, routing_scorers=args.routing_scorers,
+        admission_policy=args.admission_policy, token_bucket_capacity=args.token_bucket_capacity,
+        token_bucket_refill_rate=args.token_bucket_refill_rate,
+        snapshot_refresh_interval_us=args.snapshot_refresh_interval, cache_signal_delay_us=args.cache_signal_delay,
+        admission_latency_us=args.admission_latency, routing_latency_us=args.routing_latency, seed=args.seed,
+    ).validate()
 
 
 def parse_coefficients(flag: str, text: str) -> tuple[float, ...]:
@@ -513,11 +574,7 @@ def _kv_blocks(args, arch, gpu, tp: int, diag: Diagnostics) -> int:
 
 def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> Scenario:
     """Validate the shared flags and build the latency model and engine limits."""
-    if args.num_instances != 1:
-        if args.num_instances < 1:
-            raise ConfigError(f"--num-instances {args.num_instances}: must be >= 1")
-        raise ConfigError(f"--num-instances {args.num_instances}: clusters are not implemented yet "
-                          "(issue 4); use --num-instances 1")
+    cluster = cluster_config(args)
     if not INT64_MIN <= args.seed <= INT64_MAX:
         raise ConfigError(f"--seed {args.seed}: must fit in a signed 64-bit integer")
     if args.horizon is not None and args.horizon <= 0:
@@ -556,6 +613,7 @@ def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> Scenari
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduler=args.scheduler, preemption_policy=args.preemption_policy, horizon_us=horizon_us,
+        cluster=cluster,
     )
 
 
@@ -637,9 +695,14 @@ def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO, ses
                     preemption_policy=scenario.preemption_policy, **extra)
     try:
         if sessions is not None:
+            if not scenario.single_instance:
+                raise ConfigError("--workload-spec: closed-loop sessions run on one instance with always-admit "
+                                  "for now; use --num-instances 1 and --admission-policy always-admit")
             requests, out = simulate_sessions(requests, sessions, params, scenario.latency_model, **settings)
-        else:
+        elif scenario.single_instance:
             out = simulate_instance(requests, params, scenario.latency_model, **settings)
+        else:
+            out = simulate_cluster(requests, params, scenario.latency_model, scenario.cluster, **settings)
     finally:
         if reporter is not None:
             reporter.close()
@@ -858,7 +921,8 @@ def cmd_calibrate(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> in
 
 COMMANDS: dict[str, Callable] = {"run": cmd_run, "replay": cmd_replay, "convert": cmd_convert,
                                  "compose": cmd_compose, "calibrate": cmd_calibrate,
-                                 "sweep": cmd_sweep, "plan": cmd_plan, "fit": cmd_fit}
+                                 "sweep": cmd_sweep, "plan": cmd_plan, "fit": cmd_fit,
+                                 "sensitivity": cmd_sensitivity}
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,

@@ -195,6 +195,32 @@ def test_replay_matches_blis(case_id, tmp_path):
         assert got_metrics["dropped_unservable"] > 0
 
 
+def _cluster_cases() -> list[str]:
+    """Reference cases whose routing is deterministic (round-robin) or that admit by token
+    bucket: BLIS's output is reproducible byte for byte."""
+    if not BLIS_DIFF.is_dir():
+        return []
+    ids = []
+    for case in sorted(BLIS_DIFF.glob("*/case.json")):
+        c = json.loads(case.read_text())
+        deterministic = c["routing_policy"] == "round-robin" and not c["other_flags"].get("prefill_instances")
+        if (c["num_instances"] > 1 or c["admission_policy"] != "always-admit") and deterministic:
+            ids.append(c["id"].split("_")[0])
+    return ids
+
+
+@needs_shared
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", _cluster_cases())
+def test_replay_cluster_cases_byte_identical(case_id, tmp_path):
+    """Clusters and admission through the CLI with BLIS's own flags: stdout (per-instance blocks,
+    cluster block, anomaly counters), --metrics-path and --results-path byte for byte."""
+    case_dir, out = replay_case(case_id, tmp_path)
+    assert out == (case_dir / "stdout.txt").read_text()
+    for name in ("metrics.json", "results.json"):
+        assert (tmp_path / name).read_text() == (case_dir / name).read_text(), name
+
+
 def _single_instance_cases() -> list[str]:
     if not BLIS_DIFF.is_dir():
         return []
@@ -253,9 +279,14 @@ ERROR_CASES = {
     "zero timeout": (["run", "--timeout", "0"], "--timeout"),
     "negative prompt length": (["run", "--prompt-tokens", "-5"], "--prompt-tokens"),
     "min above max": (["run", "--output-tokens-min", "50", "--output-tokens-max", "10"], "--output-tokens"),
-    "cluster": (["run", "--num-instances", "4"], "issue 4"),
+    "no instances": (["run", "--num-instances", "0"], "--num-instances"),
+    "scorers without weighted": (["run", "--routing-scorers", "queue-depth:1"], "--routing-scorers"),
+    "unknown scorer": (["run", "--routing-policy", "weighted", "--routing-scorers", "fastest:1"], "fastest"),
+    "negative signal delay": (["run", "--cache-signal-delay", "-1"], "--cache-signal-delay"),
+    "zero token bucket": (["run", "--admission-policy", "token-bucket", "--token-bucket-capacity", "0"],
+                          "--token-bucket-capacity"),
     "unknown GPU": (["run", "--hardware", "TPUv9"], "H100"),
-    "unsupported flag": (["run", "--routing-policy", "weighted"], "--routing-policy"),
+    "unsupported flag": (["run", "--routing-policy", "busiest-ever"], "--routing-policy"),
     "replay without data": (["replay", "--trace-header", "t.yaml"], "--trace-data"),
     "missing trace file": (["replay", "--trace-header", "/nonexistent/t.yaml", "--trace-data", "x.csv"],
                            "--trace-header"),
