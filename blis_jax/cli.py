@@ -41,17 +41,19 @@ from blis_jax.config import (
     load_model,
 )
 from blis_jax.config.coefficients import check_alpha, check_beta
+from blis_jax.config.kv_capacity import kv_bytes_per_token
 from blis_jax.cluster.admission import ADMISSION_POLICIES
+from blis_jax.cluster.pd import PD_DECIDERS
 from blis_jax.cluster.routing import ROUTING_POLICIES
 from blis_jax.cluster.scorers import DEFAULT_PROFILE, SCORERS
-from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster
+from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster_views
 from blis_jax.engine import results as result_codes
 from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
 from blis_jax.engine.params import make_engine_params
 from blis_jax.engine.simulate import simulate_instance, simulate_sessions
 from blis_jax.errors import ConfigError
 from blis_jax.latency import build_latency_model
-from blis_jax.output import render_stdout, write_metrics_file, write_results_file
+from blis_jax.output import format_pd_section, pd_summary, render_stdout, write_metrics_file, write_results_file
 from blis_jax.workload.distribution import (
     DEFAULT_TIMEOUT_S,
     OUTPUT_DEFAULT,
@@ -167,6 +169,27 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="router's instance-signal staleness: re-read at most every US µs (default 50000; 0 = live)")
     g.add_argument("--cache-signal-delay", type=int, default=50_000, metavar="US",
                    help="router's prefix-cache view is re-taken every US µs (default 50000; 0 = live)")
+
+    g = p.add_argument_group("cluster: prefill/decode disaggregation")
+    g.add_argument("--prefill-instances", type=int, default=0, metavar="N",
+                   help="prefill pool size: the first N instances (default 0: no disaggregation)")
+    g.add_argument("--decode-instances", type=int, default=0, metavar="N",
+                   help="decode pool size: the next N instances")
+    g.add_argument("--pd-decider", choices=PD_DECIDERS, default="never",
+                   help="which requests are disaggregated (default never)")
+    g.add_argument("--pd-prefix-threshold", type=int, default=16, metavar="TOKENS",
+                   help="prefix-threshold: disaggregate when more prompt tokens than this are not cached on "
+                        "the chosen decode instance (default 16)")
+    g.add_argument("--pd-transfer-bandwidth", type=float, default=25.0, metavar="GB_PER_S",
+                   help="KV transfer bandwidth (default 25 GB/s)")
+    g.add_argument("--pd-transfer-base-latency", type=float, default=0.05, metavar="MS",
+                   help="KV transfer fixed latency (default 0.05 ms)")
+    g.add_argument("--pd-transfer-contention", action="store_true",
+                   help="concurrent transfers share the bandwidth")
+    g.add_argument("--prefill-routing-scorers", default=None, metavar="NAME:W,...",
+                   help="weighted routing inside the prefill pool (default: the routing policy)")
+    g.add_argument("--decode-routing-scorers", default=None, metavar="NAME:W,...",
+                   help="weighted routing inside the decode pool (default: the routing policy)")
 
     g = p.add_argument_group("model, hardware and latency")
     g.add_argument("--model", default=DEFAULT_MODEL,
@@ -476,6 +499,7 @@ class Scenario:
     preemption_policy: str
     horizon_us: int | None
     cluster: ClusterConfig = ClusterConfig()
+    kv_bytes_per_token: float = 0.0  # per GPU (sizes PD KV transfers)
 
     @property
     def single_instance(self) -> bool:
@@ -496,6 +520,11 @@ def cluster_config(args) -> ClusterConfig:
         token_bucket_refill_rate=args.token_bucket_refill_rate,
         snapshot_refresh_interval_us=args.snapshot_refresh_interval, cache_signal_delay_us=args.cache_signal_delay,
         admission_latency_us=args.admission_latency, routing_latency_us=args.routing_latency, seed=args.seed,
+        prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
+        pd_decider=args.pd_decider, pd_prefix_threshold=args.pd_prefix_threshold,
+        pd_transfer_bandwidth=args.pd_transfer_bandwidth, pd_transfer_base_latency=args.pd_transfer_base_latency,
+        pd_transfer_contention=args.pd_transfer_contention,
+        prefill_routing_scorers=args.prefill_routing_scorers, decode_routing_scorers=args.decode_routing_scorers,
     ).validate()
 
 
@@ -613,7 +642,7 @@ def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> Scenari
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduler=args.scheduler, preemption_policy=args.preemption_policy, horizon_us=horizon_us,
-        cluster=cluster,
+        cluster=cluster, kv_bytes_per_token=kv_bytes_per_token(arch, tp),
     )
 
 
@@ -684,9 +713,12 @@ def engine_params(scenario: Scenario):
     )
 
 
-def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO, sessions=None):
+def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO, sessions=None, *, with_views=False):
     """Run the engine, with a progress reporter when stderr is a terminal or --progress.
-    With closed-loop `sessions` (SessionLinks) returns (the requests that existed, outputs)."""
+    With closed-loop `sessions` (SessionLinks) returns (the requests that existed, outputs).
+    `with_views`: returns (outputs, per-instance views or None) (PD pools: each instance's own
+    sub-requests, for its metrics block)."""
+    views = None
     params = engine_params(scenario)
     tty = bool(getattr(stderr, "isatty", lambda: False)())
     reporter = ProgressReporter(stderr, tty) if (tty or args.progress) else None
@@ -702,7 +734,8 @@ def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO, ses
         elif scenario.single_instance:
             out = simulate_instance(requests, params, scenario.latency_model, **settings)
         else:
-            out = simulate_cluster(requests, params, scenario.latency_model, scenario.cluster, **settings)
+            out, views = simulate_cluster_views(requests, params, scenario.latency_model, scenario.cluster,
+                                                kv_bytes_per_token=scenario.kv_bytes_per_token, **settings)
     finally:
         if reporter is not None:
             reporter.close()
@@ -710,6 +743,8 @@ def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO, ses
         raise SimulationFailed(f"the engine stopped early ({result_codes.describe(out.result)}: an "
                                "internal buffer overflowed); the outputs would be incomplete, so none "
                                "were written. Please report this with the command line")
+    if with_views:
+        return out, views
     return out if sessions is None else (requests, out)
 
 
@@ -718,8 +753,11 @@ class SimulationFailed(RuntimeError):
 
 
 def write_outputs(args, requests: RequestSet, out, header: TraceHeader, stdout: TextIO,
-                  goodput_targets=None) -> None:
-    stdout.write(render_stdout(out, requests, scheduler=args.scheduler, goodput_targets=goodput_targets))
+                  goodput_targets=None, views=None) -> None:
+    extra = {}
+    if views is not None:
+        extra = dict(instance_outputs=views.outputs, extra_sections=(format_pd_section(pd_summary(out, views)),))
+    stdout.write(render_stdout(out, requests, scheduler=args.scheduler, goodput_targets=goodput_targets, **extra))
     stdout.flush()
     if args.metrics_path:
         write_metrics_file(args.metrics_path, out, requests, goodput_targets)
@@ -732,12 +770,13 @@ def write_outputs(args, requests: RequestSet, out, header: TraceHeader, stdout: 
 def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     _check_output_paths(args)
     scenario, requests, sessions = resolve_run_sessions(args, diag)
+    views = None
     if sessions is None:
-        out = simulate(scenario, requests, args, stderr)
+        out, views = simulate(scenario, requests, args, stderr, with_views=True)
     else:
         requests, out = simulate(scenario, requests, args, stderr, sessions)
     header = TraceHeader(mode="generated", workload_seed=args.seed)
-    write_outputs(args, requests, out, header, stdout)
+    write_outputs(args, requests, out, header, stdout, views=views)
     return 0
 
 
@@ -783,9 +822,9 @@ def cmd_replay(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     if len(requests) == 0:
         raise ConfigError(f"--trace-data {args.trace_data}: no request records; the CSV has only a header row")
     scenario = resolve_scenario(args, diag, horizon_us=replay_horizon(args, requests))
-    out = simulate(scenario, requests, args, stderr)
+    out, views = simulate(scenario, requests, args, stderr, with_views=True)
     replayed = dataclasses.replace(header, mode="replayed")
-    write_outputs(args, requests, out, replayed, stdout, goodput_targets=header.goodput_slo_targets)
+    write_outputs(args, requests, out, replayed, stdout, goodput_targets=header.goodput_slo_targets, views=views)
     return 0
 
 

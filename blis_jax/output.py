@@ -8,11 +8,14 @@ print `0.0` and `15.0`. Hence a small encoder of our own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from pathlib import Path
+
+import numpy as np
 
 from blis_jax.engine.output import SimOutput
 from blis_jax.errors import ConfigError
@@ -178,13 +181,17 @@ def render_stdout(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcf
                   hol_blocking_events: int = 0, rejected_routing: int = 0,
                   thrashing_rate: float = 0.0,
                   goodput_targets: Mapping[str, Mapping[str, float]] | None = None,
-                  extra_sections: Sequence[str] = ()) -> str:
+                  extra_sections: Sequence[str] = (),
+                  instance_outputs: Sequence[SimOutput] | None = None) -> str:
     """The `run` / `replay` stdout: per-instance blocks (more than one instance), the cluster
     block, then the Anomaly, KV-cache, Per-SLO, Per-Tenant and Session sections when they
-    apply, then `extra_sections` (already formatted, e.g. PD metrics, produced elsewhere)."""
+    apply, then `extra_sections` (already formatted, e.g. PD metrics, produced elsewhere).
+    `instance_outputs[k]` is what instance k itself served, when that differs from the
+    request-level `out` (PD sub-requests)."""
     parts = []
     if out.num_instances > 1:
-        parts += [format_metrics_block(metrics_output(out, requests, k)) for k in range(out.num_instances)]
+        views = instance_outputs if instance_outputs is not None else [out] * out.num_instances
+        parts += [format_metrics_block(metrics_output(views[k], requests, k)) for k in range(out.num_instances)]
     parts.append(format_metrics_block(metrics_output(out, requests, goodput_targets=goodput_targets)))
     parts.append(format_anomaly_section(anomaly_counters(
         out, requests, scheduler=scheduler, hol_blocking_events=hol_blocking_events,
@@ -222,3 +229,49 @@ def write_metrics_file(path: str | Path, out: SimOutput, requests: RequestSet,
 
 def write_results_file(path: str | Path, out: SimOutput, requests: RequestSet) -> None:
     Path(path).write_text(results_file_text(out, requests))
+
+
+# ----------------------------------------------------------------------------- PD metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class PDSummary:
+    """Figures of the `=== PD Metrics ===` section."""
+
+    disaggregated: int
+    dropped_at_decode: int
+    prefill_throughput: float  # prefill sub-requests completed per second of simulated time
+    decode_throughput: float
+    load_imbalance: float  # max / min of the two throughputs (1 = balanced pools)
+    parent_ttft_us: np.ndarray
+    transfer_us: np.ndarray
+
+
+def pd_summary(out: SimOutput, views) -> PDSummary:
+    duration_s = float(int(out.sim_end_us.max())) / 1e6 if out.num_instances else 0.0
+    rate = (lambda n: n / duration_s if duration_s > 0 else 0.0)  # noqa: E731
+    prefill, decode = rate(views.prefill_completed), rate(views.decode_completed)
+    low, high = min(prefill, decode), max(prefill, decode)
+    ttft = out.ttft_us[views.disaggregated & (out.ttft_us >= 0)]
+    return PDSummary(disaggregated=int(views.disaggregated.sum()), dropped_at_decode=views.dropped_at_decode,
+                     prefill_throughput=prefill, decode_throughput=decode,
+                     load_imbalance=high / low if low > 0 else 0.0, parent_ttft_us=ttft,
+                     transfer_us=np.asarray(views.transfer_us))
+
+
+def format_pd_section(s: PDSummary) -> str:
+    def stats(values: np.ndarray) -> str:
+        if values.size == 0:
+            return "mean=0.0 p50=0.0 p95=0.0 p99=0.0"
+        v = np.sort(values.astype(np.float64))
+        pct = lambda p: float(np.interp(p / 100 * (v.size - 1), np.arange(v.size), v))  # noqa: E731
+        return f"mean={v.mean():.1f} p50={pct(50):.1f} p95={pct(95):.1f} p99={pct(99):.1f}"
+
+    return ("=== PD Metrics ===\n"
+            f"Disaggregated Requests: {s.disaggregated}\n"
+            f"Dropped at Decode KV: {s.dropped_at_decode}\n"
+            f"Prefill Throughput: {s.prefill_throughput:.4f} sub-req/s\n"
+            f"Decode Throughput: {s.decode_throughput:.4f} sub-req/s\n"
+            f"Load Imbalance Ratio: {s.load_imbalance:.4f}\n"
+            f"Parent TTFT (us): {stats(s.parent_ttft_us)}\n"
+            f"KV Transfer Duration (us): {stats(s.transfer_us)}\n")

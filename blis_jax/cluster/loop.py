@@ -26,14 +26,16 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int32, Int64, PRNGKeyArray
+from jaxtyping import Array, Bool, Float64, Int32, Int64, PRNGKeyArray
 
 from blis_jax import latency
 from blis_jax.cluster import admission as adm
+from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import routing, signals
 from blis_jax.cluster import scorers as sc
+from blis_jax.cluster import transfers as xfer
 from blis_jax.cluster._numerics import exact_div
-from blis_jax.engine import inbox, kv, results
+from blis_jax.engine import events, inbox, kv, results, transfer
 from blis_jax.engine import simulate as engine
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
@@ -51,14 +53,23 @@ class ClusterDims:
     num_instances: int  # instance slots (a smaller active count is a mask)
     routing_policy: str = "round-robin"
     scorers: tuple[str, ...] = ()  # weighted routing's scorer names, in profile order
+    pd: bool = False  # prefill/decode pools (disaggregation); pool routing is decode-first
+    prefill_scorers: tuple[str, ...] = ()  # pool scorer names (weighted pool routing); () = the policy
+    decode_scorers: tuple[str, ...] = ()
+    transfers: int = 1  # KV transfers in flight at once (pd)
+
+    @property
+    def all_scorers(self) -> tuple[str, ...]:
+        weighted = self.scorers if self.routing_policy == "weighted" else ()
+        return weighted + self.prefill_scorers + self.decode_scorers
 
     @property
     def reads_prefix_cache(self) -> bool:
-        return self.routing_policy == "weighted" and any(s in PREFIX_SCORERS for s in self.scorers)
+        return any(s in PREFIX_SCORERS for s in self.all_scorers)
 
     @property
     def needs_block_keys(self) -> bool:
-        return self.routing_policy == "weighted" and "prefix-affinity" in self.scorers
+        return "prefix-affinity" in self.all_scorers
 
 
 class ClusterParams(eqx.Module):
@@ -67,6 +78,10 @@ class ClusterParams(eqx.Module):
     active: Bool[Array, " I"]  # instance slots that exist and are routable
     admission_latency_us: Int64[Array, ""]
     routing_latency_us: Int64[Array, ""]
+    prefill_role: Bool[Array, " I"]  # pd: the prefill pool (its instances serve prompts only)
+    decode_role: Bool[Array, " I"]  # pd: the decode pool
+    pd: pd_rules.PDConfig | None  # decider and transfer settings (None without pools)
+    kv_bytes_per_token: Float64[Array, ""]  # per GPU of the prefill pool's TP (transfer sizes)
 
 
 class ClusterState(eqx.Module):
@@ -78,8 +93,12 @@ class ClusterState(eqx.Module):
     cache_signal: signals.CacheSignal
     round_robin: routing.RoundRobin
     profile: sc.ScorerProfile | None
+    prefill_profile: sc.ScorerProfile | None  # pd pools with their own scorers
+    decode_profile: sc.ScorerProfile | None
+    transfers: xfer.Transfers
+    exits_read: Int64[Array, " I"]  # pd: completions of each instance turned into transfers
     key: PRNGKeyArray  # routing tie-breaks: fold_in(key, decision index)
-    handled_by: Int32[Array, " N"]  # instance serving each request; -1 none
+    handled_by: Int32[Array, " N"]  # instance serving each request (pd: its decode instance); -1 none
     rejected: Bool[Array, " N"]  # refused by admission
     routing_rejected: Bool[Array, " N"]  # no routable instance
     result: Int32[Array, ""]
@@ -150,14 +169,16 @@ def _route_request(cs: ClusterState, cd: ClusterDims, req: RequestArrays, r) -> 
 
 
 def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req: RequestArrays, model,
-                 admission: adm.AbstractAdmission, profile: sc.ScorerProfile | None, key: PRNGKeyArray,
+                 admission: adm.AbstractAdmission, profiles, key: PRNGKeyArray,
                  snapshot_interval_us, cache_signal_delay_us) -> ClusterState:
+    """`profiles` = (routing profile, prefill pool profile, decode pool profile), each or None."""
     dims, i = cd.engine, cd.num_instances
     never = jnp.full(dims.num_requests, INF_TIME, jnp.int64)
     one = inbox.empty(init_state(dims, req, never, params.horizon_us, params.total_kv_blocks))
     instances = jax.tree.map(lambda x: jnp.broadcast_to(x, (i, *x.shape)), one)
     frozen = (group_blocks_cached(instances, dims) if cd.reads_prefix_cache else jnp.zeros((i, 1, 1), bool))
     n = dims.num_requests
+    profile, prefill_profile, decode_profile = profiles
     return ClusterState(
         instances=instances,
         next_request=jnp.asarray(0, jnp.int32),
@@ -168,6 +189,10 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
                                          delay_us=jnp.asarray(cache_signal_delay_us, jnp.int64)),
         round_robin=routing.init_round_robin(),
         profile=profile,
+        prefill_profile=prefill_profile,
+        decode_profile=decode_profile,
+        transfers=xfer.empty(cd.transfers, n),
+        exits_read=jnp.zeros(i, jnp.int64),
         key=key,
         handled_by=jnp.full(n, -1, jnp.int32),
         rejected=jnp.zeros(n, bool),
@@ -176,9 +201,14 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
     )
 
 
-def next_cluster_event(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays):
-    """(request, routing time) of the next cluster event; INF_TIME when none is left before
-    the horizon. Requests are in arrival order."""
+def lane_output_len(cparams: ClusterParams, req: RequestArrays) -> Int64[Array, "I N"]:
+    """Output lengths as each instance sees them: a prefill-pool instance serves prompts only."""
+    return jnp.where(cparams.prefill_role[:, None], 0, req.output_len[None, :])
+
+
+def next_arrival(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays):
+    """(request, admission time, routing time) of the next arrival; INF_TIME when none is left
+    before the horizon. Requests are in arrival order."""
     n = req.arrival.shape[0]
     r = jnp.minimum(cs.next_request, n - 1)
     t_admit = req.arrival[r] + cparams.admission_latency_us
@@ -187,9 +217,29 @@ def next_cluster_event(cs: ClusterState, cparams: ClusterParams, params: EngineP
     return r, jnp.where(left, t_admit, INF_TIME), jnp.where(left, t_route, INF_TIME)
 
 
+def next_cluster_time(cs: ClusterState, cparams, params, req):
+    _, _, t_route = next_arrival(cs, cparams, params, req)
+    _, t_done = xfer.next_done(cs.transfers)
+    return jnp.minimum(t_route, jnp.where(t_done <= params.horizon_us, t_done, INF_TIME))
+
+
+def _pick(cd: ClusterDims, policy_profile, rr, rs: signals.RouterState, route_req, key):
+    """One routing decision over `rs.active` with a weighted profile, else the policy."""
+    if policy_profile is not None:
+        profile, target, _ = routing.weighted(policy_profile, rs, route_req, key)
+        return profile, rr, target
+    if cd.routing_policy == "least-loaded":
+        return None, rr, routing.least_loaded(rs, key)
+    if cd.routing_policy == "always-busiest":
+        return None, rr, routing.always_busiest(rs)
+    rr, target = routing.round_robin(rr, rs.active)
+    return None, rr, target
+
+
 def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, r, t_admit,
             t_route, on):
-    """Admission and routing of request r; returns the state and the target (-1: none)."""
+    """Admission and routing of request r. Returns (state, instance to inject into now, and
+    whether it is a disaggregated request's prefill)."""
     policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r])
     admitted = admitted & on
     live = live_signals(cs.instances, params, cd.engine.block_size)
@@ -198,18 +248,35 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     if cd.reads_prefix_cache:
         cache_signal = signals.refresh_cache_signal(cache_signal, group_blocks_cached(cs.instances, cd.engine), t_route)
     in_flight = jnp.maximum(cs.routed - cs.instances.finished, 0)
-    rs = signals.router_state(snapshot, in_flight, cparams.active)
-    key = jax.random.fold_in(cs.key, r)
-    rr, profile = cs.round_robin, cs.profile
-    if cd.routing_policy == "round-robin":
-        rr, target = routing.round_robin(rr, cparams.active)
-    elif cd.routing_policy == "least-loaded":
-        target = routing.least_loaded(rs, key)
-    elif cd.routing_policy == "always-busiest":
-        target = routing.always_busiest(rs)
+    route_req = _route_request(dataclasses.replace(cs, cache_signal=cache_signal), cd, req, r)
+    rr = cs.round_robin
+    if not cd.pd:
+        rs = signals.router_state(snapshot, in_flight, cparams.active)
+        profile, rr, target = _pick(cd, cs.profile, rr, rs, route_req, jax.random.fold_in(cs.key, r))
+        profiles = (profile if cs.profile is not None else None, cs.prefill_profile, cs.decode_profile)
+        disaggregated, prefill = jnp.asarray(False), jnp.asarray(-1, jnp.int64)
     else:
-        cs_new = dataclasses.replace(cs, cache_signal=cache_signal)
-        profile, target, _ = routing.weighted(profile, rs, _route_request(cs_new, cd, req, r), key)
+        # llm-d decode-first: the decode pod, the decider, then (maybe) the prefill pod; both
+        # choices advance one shared round-robin counter when the pools have no scorers.
+        rs = signals.router_state(snapshot, in_flight, cparams.active & cparams.decode_role)
+        decode_base = cs.decode_profile if cs.decode_profile is not None else cs.profile
+        new_decode, rr, target = _pick(cd, decode_base, rr, rs, route_req,
+                                       jax.random.fold_in(jax.random.fold_in(cs.key, 1), r))
+        cached = route_req.cached_prefix_blocks[jnp.maximum(target, 0)]
+        disaggregated = (target >= 0) & pd_rules.disaggregate(cparams.pd, req.input_len[r], cached,
+                                                               cd.engine.block_size)
+        shared = new_decode if cs.decode_profile is None else cs.profile  # the routing profile after the decode pick
+        prefill_base = cs.prefill_profile if cs.prefill_profile is not None else shared
+        rs_p = signals.router_state(snapshot, in_flight, cparams.active & cparams.prefill_role)
+        new_prefill, rr_p, prefill = _pick(cd, prefill_base, rr, rs_p, route_req,
+                                           jax.random.fold_in(jax.random.fold_in(cs.key, 2), r))
+        when = lambda flag, new, old: (None if old is None else  # noqa: E731
+                                       jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old))
+        rr = when(disaggregated, rr_p, rr)
+        profiles = (when(disaggregated, new_prefill, shared) if cs.prefill_profile is None else shared,
+                    when(disaggregated, new_prefill, cs.prefill_profile),
+                    new_decode if cs.decode_profile is not None else None)
+        disaggregated = disaggregated & (prefill >= 0)
     # Only a decision that happened changes router state (the body runs masked).
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(admitted, a, b), new, old)  # noqa: E731
     decided = dataclasses.replace(
@@ -218,67 +285,163 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         snapshot=keep(snapshot, cs.snapshot),
         cache_signal=keep(cache_signal, cs.cache_signal),
         round_robin=keep(rr, cs.round_robin),
-        profile=keep(profile, cs.profile) if profile is not None else None,
+        profile=keep(profiles[0], cs.profile) if cs.profile is not None else None,
+        prefill_profile=keep(profiles[1], cs.prefill_profile) if cs.prefill_profile is not None else None,
+        decode_profile=keep(profiles[2], cs.decode_profile) if cs.decode_profile is not None else None,
     )
     target = jnp.where(admitted, target, -1)
+    disaggregated = admitted & disaggregated
     n = cs.handled_by.shape[0]
+    slots = jnp.arange(cd.num_instances)
+    tr = decided.transfers
+    tr = dataclasses.replace(
+        tr,
+        decode_target=tr.decode_target.at[jnp.where(disaggregated, r, n)].set(target.astype(jnp.int32), mode="drop"),
+        prefill_by=tr.prefill_by.at[jnp.where(disaggregated, r, n)].set(prefill.astype(jnp.int32), mode="drop"),
+    )
     decided = dataclasses.replace(
         decided,
+        transfers=tr,
         next_request=cs.next_request + on,
         rejected=decided.rejected.at[jnp.where(on & ~admitted, r, n)].set(True, mode="drop"),
         routing_rejected=decided.routing_rejected.at[jnp.where(admitted & (target < 0), r, n)].set(True, mode="drop"),
         handled_by=decided.handled_by.at[jnp.where(target >= 0, r, n)].set(target.astype(jnp.int32), mode="drop"),
-        routed=decided.routed + (jnp.arange(cd.num_instances) == target),
+        routed=decided.routed + (slots == target) + (disaggregated & (slots == prefill)),
     )
-    return decided, target
+    return decided, jnp.where(disaggregated, prefill, target)
 
 
-def _cluster_event(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, model, on):
-    r, t_admit, t_route = next_cluster_event(cs, cparams, params, req)
-    cs, target = _decide(cs, cd, params, cparams, req, r, t_admit, t_route, on)
+def _arrival_event(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, model, on):
+    r, t_admit, t_route = next_arrival(cs, cparams, params, req)
+    cs, inject_at = _decide(cs, cd, params, cparams, req, r, t_admit, t_route, on)
     enqueue_at = t_route + latency.queueing_time_us(model, req.input_len[r])
-    mine = jnp.arange(cd.num_instances) == target
+    mine = jnp.arange(cd.num_instances) == inject_at
     instances = jax.vmap(inbox.inject, in_axes=(0, None, None, None, 0))(cs.instances, cd.engine, r, enqueue_at, mine)
     return dataclasses.replace(cs, instances=instances)
 
 
-def _instances_until(cs: ClusterState, cd: ClusterDims, params, req, model, event_limit, until):
-    run = jax.vmap(engine.run_until, in_axes=(None, 0, None, None, None, None, None))
-    return dataclasses.replace(cs, instances=run(cd.engine, cs.instances, params, req, model, event_limit, until))
+def _transfer_done(cs: ClusterState, cd: ClusterDims, on):
+    """KVTransferCompleted: the decode sub-request enqueues on its decode instance now."""
+    entry, now = xfer.next_done(cs.transfers)
+    r, decode = cs.transfers.request[entry], cs.transfers.decode[entry]
+    mine = on & (jnp.arange(cd.num_instances) == decode)
+    instances = jax.vmap(inbox.inject, in_axes=(0, None, None, None, 0))(cs.instances, cd.engine, r, now, mine)
+    return dataclasses.replace(cs, instances=instances, transfers=xfer.finish(cs.transfers, entry, on))
 
 
-def _caught_up(cs: ClusterState, params, req, until):
-    """Every instance has processed all its events before `until` (none stopped early)."""
-    done = jax.vmap(engine.finished, in_axes=(0, None, None, None))(cs.instances, params, req, until)
-    return jnp.all(done)
+def _start_transfers(cs: ClusterState, cd: ClusterDims, params, cparams: ClusterParams, req, now, on):
+    """KVTransferStarted for every prefill completed at `now`, in instance then batch order."""
+    e = cd.engine.exit_log
+
+    def pending(c):
+        return cparams.prefill_role & (c.exits_read < c.instances.exit_count)
+
+    def more(c, ops):
+        return ops[-1] & jnp.any(pending(c))
+
+    def body(c, ops, on):
+        params, cparams, req, now, _ = ops
+        i = jnp.argmax(pending(c))
+        r = c.instances.exit_req[i, c.exits_read[i] % e]
+        decode = c.transfers.decode_target[r]
+        lane = on & (jnp.arange(cd.num_instances) == decode)
+        instances, reserved = jax.vmap(transfer.reserve, in_axes=(0, None, None, None, 0, None))(
+            c.instances, cd.engine, req, r, lane, params.total_kv_blocks)
+        reserved = jnp.any(reserved & lane)
+        duration = pd_rules.transfer_time_us(cparams.pd, req.input_len[r], cd.engine.block_size,
+                                             cparams.kv_bytes_per_token, xfer.in_flight(c.transfers) + 1)
+        tr, full = xfer.start(c.transfers, r, decode, now, duration, reserved, on)
+        overrun = on & (c.instances.exit_count[i] - c.exits_read[i] > e)
+        return dataclasses.replace(
+            c, instances=instances, transfers=tr,
+            exits_read=c.exits_read.at[jnp.where(on, i, cd.num_instances)].add(1, mode="drop"),
+            result=c.result | jnp.where(full | overrun, xfer.TRANSFERS_FULL, 0).astype(jnp.int32),
+        )
+
+    return masked_while(more, body, cs, (params, cparams, req, now, on))
+
+
+def _instances_until(cs: ClusterState, cd: ClusterDims, params, req, out_len, model, limits, until):
+    """Every instance through its events before `until`; `limits` [I] caps each one's events."""
+
+    def one(state, output_len, limit):
+        lane_req = dataclasses.replace(req, output_len=output_len)
+        return engine.run_until(cd.engine, state, params, lane_req, model, limit, until)
+
+    return dataclasses.replace(cs, instances=jax.vmap(one)(cs.instances, out_len, limits))
+
+
+def _caught_up(cs: ClusterState, params, req, out_len, until, lanes=None):
+    """Every instance (in `lanes`) has processed all its events before `until`."""
+
+    def one(state, output_len):
+        return engine.finished(state, params, dataclasses.replace(req, output_len=output_len), until)
+
+    done = jax.vmap(one)(cs.instances, out_len)
+    return jnp.all(done if lanes is None else done | ~lanes)
+
+
+def _next_prefill_time(cs: ClusterState, cparams: ClusterParams, params, req, out_len):
+    """Earliest event of a prefill-pool instance: the earliest moment a transfer can start."""
+
+    def one(state, output_len):
+        return events.next_event(state, dataclasses.replace(req, output_len=output_len))[1]
+
+    t = jax.vmap(one)(cs.instances, out_len)
+    t = jnp.min(jnp.where(cparams.prefill_role, t, INF_TIME))
+    return jnp.where(t <= params.horizon_us, t, INF_TIME)
 
 
 def overflowed(cs: ClusterState):
-    return jnp.any((cs.instances.result & results.GROWABLE) != 0)
+    return jnp.any((cs.instances.result & results.GROWABLE) != 0) | (cs.result != 0)
 
 
 def finished(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays):
-    _, _, t_route = next_cluster_event(cs, cparams, params, req)
-    return ((t_route >= INF_TIME) & _caught_up(cs, params, req, INF_TIME)) | overflowed(cs)
+    out_len = lane_output_len(cparams, req)
+    return (((next_cluster_time(cs, cparams, params, req) >= INF_TIME)
+             & _caught_up(cs, params, req, out_len, INF_TIME)) | overflowed(cs))
 
 
 def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams: ClusterParams, req, model,
                 event_limit) -> ClusterState:
-    """Run until the end or until some instance has counted `event_limit` events."""
+    """Run until the end or until some instance has counted `event_limit` events.
+
+    Each iteration: the instances run up to the next cluster event (cluster events go first at
+    equal times), then that event runs. With PD pools, a prefill instance's step can start a
+    transfer (a cluster event at that step's tick), so the instances first run only up to the
+    earliest prefill-pool event; if that comes first, the prefill pool runs that tick alone
+    and the transfers it starts are processed before anything later.
+    """
+    out_len = lane_output_len(cparams, req)
 
     def cond(c, ops):
-        params, cparams, req, _, limit = ops
+        params, cparams, req, out_len, _, limit = ops
         return ~finished(c, cparams, params, req) & jnp.all(c.instances.events < limit)
 
     def body(c, ops, on):
-        params, cparams, req, model, limit = ops
-        _, _, t_route = next_cluster_event(c, cparams, params, req)
-        # Instance events strictly before the cluster event (cluster first at equal times).
-        c = _instances_until(c, cd, params, req, model, jnp.where(on, limit, 0), t_route)
-        route = on & (t_route < INF_TIME) & _caught_up(c, params, req, t_route) & ~overflowed(c)
-        return _cluster_event(c, cd, params, cparams, req, model, route)
+        params, cparams, req, out_len, model, limit = ops
+        limits = jnp.full(cd.num_instances, jnp.where(on, limit, 0))
+        t_cluster = next_cluster_time(c, cparams, params, req)
+        t_prefill = _next_prefill_time(c, cparams, params, req, out_len) if cd.pd else INF_TIME
+        bound = jnp.minimum(t_cluster, t_prefill)
+        c = _instances_until(c, cd, params, req, out_len, model, limits, bound)
+        caught = on & _caught_up(c, params, req, out_len, bound) & ~overflowed(c)
+        if cd.pd:
+            prefill_tick = caught & (t_prefill < t_cluster)
+            lanes = cparams.prefill_role & prefill_tick
+            c = _instances_until(c, cd, params, req, out_len, model, jnp.where(lanes, limit, 0), t_prefill + 1)
+            ticked = prefill_tick & _caught_up(c, params, req, out_len, t_prefill + 1, cparams.prefill_role)
+            c = _start_transfers(c, cd, params, cparams, req, t_prefill, ticked & ~overflowed(c))
+            caught = caught & ~prefill_tick
+        go = caught & (t_cluster < INF_TIME)
+        _, _, t_route = next_arrival(c, cparams, params, req)
+        is_arrival = t_route <= t_cluster  # arrivals (priority 0-2) before transfer completions (6)
+        c = _arrival_event(c, cd, params, cparams, req, model, go & is_arrival)
+        if cd.pd:
+            c = _transfer_done(c, cd, go & ~is_arrival)
+        return c
 
-    return masked_while(cond, body, cs, (params, cparams, req, model, event_limit))
+    return masked_while(cond, body, cs, (params, cparams, req, out_len, model, event_limit))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from blis_jax.cluster import admission as adm
+from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import loop
 from blis_jax.cluster import routing as routing_policies
 from blis_jax.cluster import scorers as sc
 from blis_jax.engine import output as so
 from blis_jax.engine import results
-from blis_jax.engine.dims import choose_dims
+from blis_jax.engine.dims import bucket, choose_dims
 from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.params import EngineParams
 from blis_jax.engine.simulate import request_arrays, to_output
@@ -49,6 +50,17 @@ class ClusterConfig:
     routing_latency_us: int = 0
     seed: int = 42
     instance_slots: int | None = None  # compiled slots (>= num_instances); None = num_instances
+    # prefill/decode disaggregation (blis-features §3.10): the first `prefill_instances` slots
+    # form the prefill pool, the next `decode_instances` the decode pool
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    pd_decider: str = "never"
+    pd_prefix_threshold: int = 16
+    pd_transfer_bandwidth: float = 25.0  # GB/s
+    pd_transfer_base_latency: float = 0.05  # ms
+    pd_transfer_contention: bool = False
+    prefill_routing_scorers: str | None = None  # weighted routing inside the prefill pool
+    decode_routing_scorers: str | None = None
 
     def validate(self) -> ClusterConfig:
         n = self.num_instances
@@ -66,7 +78,37 @@ class ClusterConfig:
         if self.routing_policy == "weighted":
             sc.parse_profile(self.routing_scorers or sc.DEFAULT_PROFILE)
         self.admission()
+        if self.pd:
+            pd_rules.pool_masks(self.slots, prefill=self.prefill_instances, decode=self.decode_instances,
+                                num_instances=n)
+            if self.prefill_instances == 0 or self.decode_instances == 0:
+                raise ConfigError("--prefill-instances and --decode-instances: disaggregation needs both pools "
+                                  f"(got {self.prefill_instances} prefill, {self.decode_instances} decode)")
+            self.pd_config()
+            for flag, text in (("--prefill-routing-scorers", self.prefill_routing_scorers),
+                               ("--decode-routing-scorers", self.decode_routing_scorers)):
+                if text is not None:
+                    sc.parse_profile(text, flag)
+        elif self.prefill_routing_scorers or self.decode_routing_scorers or self.pd_decider != "never":
+            raise ConfigError("--pd-decider / --prefill-routing-scorers / --decode-routing-scorers need PD pools: "
+                              "set --prefill-instances and --decode-instances")
         return self
+
+    @property
+    def pd(self) -> bool:
+        return bool(self.prefill_instances or self.decode_instances)
+
+    def pd_config(self):
+        return pd_rules.make_pd_config(self.pd_decider, prefix_threshold=self.pd_prefix_threshold,
+                                       transfer_bandwidth_gbps=self.pd_transfer_bandwidth,
+                                       transfer_base_latency_ms=self.pd_transfer_base_latency,
+                                       contention=self.pd_transfer_contention)
+
+    def pool_profiles(self):
+        """(prefill pool profile, decode pool profile), each None without pool scorers."""
+        return tuple(None if text is None else sc.make_profile(text, self.slots, flag=flag)
+                     for flag, text in (("--prefill-routing-scorers", self.prefill_routing_scorers),
+                                        ("--decode-routing-scorers", self.decode_routing_scorers)))
 
     @property
     def slots(self) -> int:
@@ -82,7 +124,27 @@ class ClusterConfig:
         return sc.make_profile(self.routing_scorers or sc.DEFAULT_PROFILE, self.slots)
 
 
-def simulate_cluster(
+@dataclasses.dataclass(frozen=True)
+class InstanceViews:
+    """What each instance itself served, for its own metrics block: with PD pools, a prefill
+    instance served prompt-only sub-requests and a decode instance the decode sub-requests,
+    whose metrics differ from their parent requests'."""
+
+    outputs: tuple[so.SimOutput, ...]  # outputs[k]: rows served by instance k, handled_by == k
+    disaggregated: np.ndarray  # per request
+    dropped_at_decode: int
+    transfer_us: np.ndarray  # durations of the transfers that started
+    prefill_completed: int
+    decode_completed: int
+
+
+def simulate_cluster(requests: RequestSet, params: EngineParams, model, cluster: ClusterConfig,
+                     **kwargs) -> so.SimOutput:
+    """Simulate `requests` on a cluster of identical instances; one output row per request."""
+    return simulate_cluster_views(requests, params, model, cluster, **kwargs)[0]
+
+
+def simulate_cluster_views(
     requests: RequestSet,
     params: EngineParams,
     model,
@@ -92,11 +154,15 @@ def simulate_cluster(
     scheduler: str = "fcfs",
     preemption_policy: str = "fcfs",
     events_per_chunk: int = 200_000,
+    kv_bytes_per_token: float = 0.0,
     progress: Callable[[int, int, int], None] | None = None,
-) -> so.SimOutput:
-    """Simulate `requests` on a cluster of identical instances; `progress(done, total, sim_us)`
-    is called between chunks."""
+) -> tuple[so.SimOutput, InstanceViews | None]:
+    """`simulate_cluster`, plus the per-instance views when there are PD pools.
+    `kv_bytes_per_token` (per GPU of the prefill pool) sizes KV transfers; `progress(done,
+    total, sim_us)` is called between chunks."""
     cluster = cluster.validate()
+    if cluster.pd and kv_bytes_per_token <= 0:
+        raise ConfigError("PD disaggregation needs the model's KV bytes per token to size transfers")
     growth = 1
     while True:
         edims = choose_dims(
@@ -106,18 +172,34 @@ def simulate_cluster(
             block_size=block_size, scheduler=scheduler, preemption_policy=preemption_policy, growth=growth,
             step_log=events_per_chunk,
         )
+        if cluster.pd:
+            edims = dataclasses.replace(edims, exit_log=2 * edims.batch_slots, transfers=True)
         profile = cluster.profile()
-        cd = loop.ClusterDims(engine=edims, num_instances=cluster.slots, routing_policy=cluster.routing_policy,
-                              scorers=profile.names if profile is not None else ())
+        prefill_profile, decode_profile = cluster.pool_profiles() if cluster.pd else (None, None)
+        cd = loop.ClusterDims(
+            engine=edims, num_instances=cluster.slots, routing_policy=cluster.routing_policy,
+            scorers=profile.names if profile is not None else (), pd=cluster.pd,
+            prefill_scorers=prefill_profile.names if prefill_profile is not None else (),
+            decode_scorers=decode_profile.names if decode_profile is not None else (),
+            transfers=bucket(64 * growth) if cluster.pd else 1,
+        )
+        slots = jnp.arange(cluster.slots)
+        prefill_role, decode_role = (pd_rules.pool_masks(cluster.slots, prefill=cluster.prefill_instances,
+                                                         decode=cluster.decode_instances,
+                                                         num_instances=cluster.num_instances)[:2]
+                                     if cluster.pd else (slots < 0, slots >= 0))
         cparams = loop.ClusterParams(
-            active=jnp.arange(cluster.slots) < cluster.num_instances,
+            active=slots < cluster.num_instances,
             admission_latency_us=jnp.asarray(cluster.admission_latency_us, jnp.int64),
             routing_latency_us=jnp.asarray(cluster.routing_latency_us, jnp.int64),
+            prefill_role=prefill_role, decode_role=decode_role,
+            pd=cluster.pd_config() if cluster.pd else None,
+            kv_bytes_per_token=jnp.asarray(float(kv_bytes_per_token), jnp.float64),
         )
         req = request_arrays(requests, edims)
         key = jax.random.fold_in(jax.random.key(cluster.seed), 0x5217)  # the routing subsystem's stream
-        cs = _init(cd, params, cparams, req, model, cluster.admission(), profile, key,
-                   cluster.snapshot_refresh_interval_us, cluster.cache_signal_delay_us)
+        cs = _init(cd, params, cparams, req, model, cluster.admission(), (profile, prefill_profile, decode_profile),
+                   key, cluster.snapshot_refresh_interval_us, cluster.cache_signal_delay_us)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         limit = 0
         while True:
@@ -128,11 +210,11 @@ def simulate_cluster(
                 progress(int(jnp.sum(cs.instances.finished)), len(requests), int(jnp.max(cs.instances.now)))
             if bool(loop.finished(cs, cparams, params, req)):
                 break
-        code = int(jnp.bitwise_or.reduce(cs.instances.result)) | int(cs.result)
+        code = int(jnp.bitwise_or.reduce(cs.instances.result)) | (results.INBOX_FULL if int(cs.result) else 0)
         if code & results.GROWABLE and growth < 64:
             growth *= 4
             continue
-        return merge_outputs(cs, edims, params, requests, code, readers, cluster.num_instances)
+        return merge_outputs(cs, edims, params, requests, code, readers, cluster.num_instances, cluster.pd)
 
 
 _init = jax.jit(loop.init_cluster, static_argnums=0)
@@ -153,40 +235,105 @@ def _read_logs(cs: loop.ClusterState, readers: list[ItlLogReader]) -> loop.Clust
 
 
 def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: RequestSet, code: int,
-                  readers: list[ItlLogReader], num_instances: int) -> so.SimOutput:
-    """One `SimOutput` for the cluster: each request's record from the instance that served
-    it, ITL step logs concatenated (run step indices offset), counters per instance."""
+                  readers: list[ItlLogReader], num_instances: int, pd: bool = False):
+    """(one `SimOutput` for the cluster, per-instance views or None): each request's record
+    from the instance that served it (with PD, its parent record rebuilt from its sub-requests),
+    ITL step logs concatenated (run step indices offset), counters per instance."""
     n = len(requests)
     host = jax.device_get(cs)
     handled = np.asarray(host.handled_by[:n]).astype(np.int32)
-    outs = []
+    tr = host.transfers
+    disaggregated = np.asarray(tr.decode_target[:n]) >= 0
+    prefill_by = np.asarray(tr.prefill_by[:n])
+    lanes, admit_steps = [], []
     for i in range(num_instances):
         s = jax.tree.map(lambda x: x[i], host.instances)
-        routed = requests.arrival_us[handled == i]
+        served = (handled == i) | (disaggregated & (prefill_by == i))
+        routed = requests.arrival_us[served]
         s = dataclasses.replace(s, sim_end=np.int64(max(int(s.sim_end), int(routed.max()) if len(routed) else 0)))
-        outs.append(to_output(s, dims, params, requests, code, readers[i], clock_sees_arrivals=False))
+        lanes.append(to_output(s, dims, params, requests, code, readers[i], clock_sees_arrivals=False))
+        admit_steps.append(np.asarray(s.out_admit_step[:n]))
+    fields = _combine(lanes, handled)
+    views = None
+    if pd:
+        fields, views = _pd_parents(fields, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n)
+    rejected = np.asarray(host.rejected[:n]) | np.asarray(host.routing_rejected[:n])
+    fields["status"][rejected] = so.REJECTED
+    return so.SimOutput(**fields, result=code), views
+
+
+def _combine(lanes: list[so.SimOutput], handled: np.ndarray) -> dict:
+    """SimOutput fields with each request's row taken from the instance `handled` names."""
+    n = handled.shape[0]
     per_request = {name: np.zeros(n, dtype) for name, dtype in so._PER_REQUEST.items()}
-    per_request["ttft_us"][:] = -1
-    per_request["e2e_us"][:] = -1
-    per_request["sched_delay_us"][:] = -1
+    for name in ("ttft_us", "e2e_us", "sched_delay_us"):
+        per_request[name][:] = -1
     step_parts, run_parts, offset = [], [], 0
-    for i, o in enumerate(outs):
+    for i, o in enumerate(lanes):
         mine = handled == i
         for name in per_request:
             per_request[name][mine] = getattr(o, name)[mine]
-        step_parts.append(o.itl_step_us)
-        runs = o.itl_runs.copy()
+        runs = o.itl_runs[mine[o.itl_runs[:, 0]]].copy()
         runs[:, 1:] += offset
+        step_parts.append(o.itl_step_us)
         run_parts.append(runs)
         offset += o.itl_step_us.shape[0]
-    per_request["handled_by"] = handled
-    rejected = np.asarray(host.rejected[:n]) | np.asarray(host.routing_rejected[:n])
-    per_request["status"][rejected] = so.REJECTED
-    counters = {name: np.array([int(getattr(o, name)[0]) for o in outs], np.int64) for name in so._COUNTERS}
-    return so.SimOutput(
-        **per_request,
-        itl_step_us=np.concatenate(step_parts) if step_parts else np.zeros(0, np.int32),
-        itl_runs=np.concatenate(run_parts) if run_parts else np.zeros((0, 3), np.int64),
-        **counters,
-        result=code,
-    )
+    per_request["handled_by"] = handled.copy()
+    counters = {name: np.array([int(getattr(o, name)[0]) for o in lanes], np.int64) for name in so._COUNTERS}
+    return dict(**per_request, **counters,
+                itl_step_us=np.concatenate(step_parts) if step_parts else np.zeros(0, np.int32),
+                itl_runs=np.concatenate(run_parts) if run_parts else np.zeros((0, 3), np.int64))
+
+
+def _pd_parents(fields: dict, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n):
+    """BLIS's parent metrics of disaggregated requests (blis-features §3.10): TTFT = decode
+    scheduling delay (arrival → decode admission) + the first decode ITL sample; E2E = decode
+    scheduling delay + the decode sub-request's own E2E; scheduling delay = the prefill's; ITL
+    = the decode's. A request in transfer at the end counts as still running; one dropped for
+    lack of KV at its decode instance as dropped."""
+    f = fields
+    dropped = np.asarray(tr.dropped[:n])
+    started = np.asarray(tr.start_us[:n]) >= 0
+    status, decode_delay = f["status"].copy(), f["sched_delay_us"].copy()
+    prefill_status = np.zeros(n, np.int8)
+    prefill_delay = np.full(n, -1, np.int64)
+    views = []
+    for i, o in enumerate(lanes):
+        mine = disaggregated & (prefill_by == i)
+        prefill_status[mine] = o.status[mine]
+        prefill_delay[mine] = o.sched_delay_us[mine]
+        # the instance's own view: its decode sub-requests have no first token of their own
+        view = {name: getattr(o, name).copy() for name in so._PER_REQUEST}
+        served = (handled == i) | mine
+        view["handled_by"] = np.where(served, i, -1).astype(np.int32)
+        view["status"] = np.where(served, o.status, so.NOT_ARRIVED).astype(np.int8)
+        view["ttft_us"] = np.where(disaggregated & (handled == i), -1, o.ttft_us)
+        counters = {name: f[name] for name in so._COUNTERS}
+        views.append(so.SimOutput(**view, **counters, itl_step_us=o.itl_step_us,
+                                  itl_runs=o.itl_runs[served[o.itl_runs[:, 0]]]))
+    first_sample = np.full(n, -1, np.int64)
+    for i, o in enumerate(lanes):
+        mine = disaggregated & (handled == i) & (admit_steps[i] >= 0) & (admit_steps[i] < o.itl_step_us.shape[0])
+        first_sample[mine] = o.itl_step_us[admit_steps[i][mine]]
+    done = disaggregated & so.is_completed(status)
+    f["ttft_us"] = np.where(disaggregated, np.where(first_sample >= 0, decode_delay + first_sample, -1), f["ttft_us"])
+    f["e2e_us"] = np.where(done, decode_delay + f["e2e_us"], f["e2e_us"])
+    f["sched_delay_us"] = np.where(disaggregated, prefill_delay, f["sched_delay_us"])
+    # before the decode side: the prefill's state (waiting, running, timed out), in transfer, dropped
+    not_at_decode = disaggregated & (status == so.NOT_ARRIVED)
+    in_transfer = not_at_decode & started & ~dropped & so.is_completed(prefill_status)
+    status = np.where(not_at_decode & ~so.is_completed(prefill_status), prefill_status, status)
+    status = np.where(in_transfer, so.RUNNING, status)
+    status = np.where(disaggregated & dropped, so.DROPPED, status)
+    f["status"] = status.astype(np.int8)
+    f["handled_by"] = np.where(disaggregated & dropped, -1, handled).astype(np.int32)
+    still_running, dropped_count = f["still_running"].copy(), f["dropped_unservable"].copy()
+    np.add.at(still_running, handled[in_transfer], 1)
+    np.add.at(dropped_count, handled[disaggregated & dropped], 1)
+    f["still_running"], f["dropped_unservable"] = still_running, dropped_count
+    durations = np.asarray(tr.duration_us[:n])
+    views = InstanceViews(
+        outputs=tuple(views), disaggregated=disaggregated, dropped_at_decode=int((disaggregated & dropped).sum()),
+        transfer_us=durations[durations >= 0], prefill_completed=int(so.is_completed(prefill_status).sum()),
+        decode_completed=int(done.sum()))
+    return f, views

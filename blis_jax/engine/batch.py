@@ -23,6 +23,7 @@ from blis_jax.engine.state import (
     QUEUED,
     ROW_FREE,
     ROW_PREEMPTED,
+    ROW_RESERVED,
     ROW_RUNNING,
     RUNNING,
     EngineState,
@@ -165,11 +166,17 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         params, req, _, _ = ops
         state, budget, stop = c
         state, r, _ = waitqueue.head(state, dims)
+        old_row = row_of(state, r)
+        # A PD decode sub-request starts decoding on the prompt KV reserved for it (transfer.py).
+        prefilled = ((old_row >= 0) & (state.row_state[jnp.maximum(old_row, 0)] == ROW_RESERVED)
+                     if dims.transfers else jnp.asarray(False))
         n_hit, cached = kv.cached_prefix(state, dims, req, r)
-        start = n_hit * bs
+        n_hit = jnp.where(prefilled, 0, n_hit)
+        start = jnp.where(prefilled, req.input_len[r], n_hit * bs)
         n = req.input_len[r] - start
         cap = params.long_prefill_token_threshold
         n = jnp.where((cap > 0) & (cap < n), cap, n)
+        n = jnp.where(prefilled, 1, n)
         n = jnp.minimum(n, budget)
         mml = params.max_model_len
         n = jnp.where(mml > 0, jnp.minimum(n, jnp.maximum(mml - 1 - start, 0)), n)
@@ -177,22 +184,24 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         n_claim = jnp.where(n > 0, n_hit, 0)
         j = jnp.arange(dims.blocks_per_request)
         cached_on_free_list = jnp.sum((j < n_claim) & state.block_free[jnp.maximum(cached, 0)])
-        admit = on & ((n + bs - 1) // bs + cached_on_free_list <= state.free_count)
+        safe_old = jnp.maximum(old_row, 0)
+        need = jnp.where(prefilled, kv.blocks_needed(dims, state.row_nblocks[safe_old], state.row_kv_tokens[safe_old], n),
+                         (n + bs - 1) // bs + cached_on_free_list)
+        admit = on & (need <= state.free_count)
 
-        old_row = row_of(state, r)
         free_row = jnp.argmax(state.row_state == ROW_FREE)
         no_row = admit & (old_row < 0) & (state.row_state[free_row] != ROW_FREE)
         row = jnp.where(old_row >= 0, old_row, free_row).astype(jnp.int32)
         at_row = jnp.where(admit, row, dims.rows)
-        state = kv.claim_cached(state, dims, row, cached, n_claim, admit)
+        state = kv.claim_cached(state, dims, row, cached, n_claim, admit & ~prefilled)
         state = dataclasses.replace(
             state,
             row_req=state.row_req.at[at_row].set(r, mode="drop"),
             row_state=state.row_state.at[at_row].set(ROW_RUNNING, mode="drop"),
-            row_progress=state.row_progress.at[at_row].set(0, mode="drop"),
+            row_progress=state.row_progress.at[at_row].set(jnp.where(prefilled, start, 0), mode="drop"),
             row_kv_tokens=state.row_kv_tokens.at[at_row].set(start, mode="drop"),
-            row_offset=state.row_offset.at[at_row].set(start - n_claim * bs, mode="drop"),
-            row_ttft=state.row_ttft.at[at_row].set(-1, mode="drop"),
+            row_offset=state.row_offset.at[at_row].set(jnp.where(prefilled, 0, start - n_claim * bs), mode="drop"),
+            row_ttft=state.row_ttft.at[at_row].set(jnp.where(prefilled, 0, -1), mode="drop"),
             row_num_itl=state.row_num_itl.at[at_row].set(0, mode="drop"),
             row_itl_sum=state.row_itl_sum.at[at_row].set(0, mode="drop"),
             row_sched_delay=state.row_sched_delay.at[at_row].set(state.now - state.arrival[r], mode="drop"),

@@ -58,6 +58,8 @@ class EngineDims:
     wait_slots: int = 8  # wait-window capacity for priority-ordered schedulers
     window: int = 1024  # in-flight request window (consecutive enqueue positions)
     inbox: int = 64  # cluster instances: routed requests awaiting their enqueue (inbox.py)
+    exit_log: int = 1  # completions the PD cluster has not read yet (1: not logged)
+    transfers: bool = False  # requests may arrive with their prompt's KV already transferred (transfer.py)
 
     @property
     def trace_log(self) -> int:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from blis_jax import latency
-from blis_jax.engine import batch, kv, results, sessions, waitqueue
+from blis_jax.engine import batch, kv, results, sessions, transfer, waitqueue
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import INF_TIME, EngineParams
@@ -23,6 +23,7 @@ from blis_jax.engine.state import (
     LENGTH_CAPPED,
     QUEUED,
     ROW_FREE,
+    ROW_RESERVED,
     RUNNING,
     TIMED_OUT,
     EngineState,
@@ -119,22 +120,25 @@ def enqueue(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
     )
     state = sessions.take_pending_round(state, round_slot, active & ~from_static)
     input_len, output_len = req.input_len[r], req.output_len[r]
+    # A PD decode sub-request (its prompt's KV reserved here) bypasses the guards (transfer.py).
+    held, prefilled = transfer.held_row(state, r) if dims.transfers else (jnp.int32(-1), jnp.asarray(False))
+    prefilled = active & prefilled
     mml = params.max_model_len
     too_long = (mml > 0) & ((input_len >= mml) | ((output_len > 0) & (input_len + output_len > mml)))
     too_big = (input_len + dims.block_size - 1) // dims.block_size > params.total_kv_blocks
-    dropped = active & (too_long | too_big)
+    dropped = active & ~prefilled & (too_long | too_big)
     deadline = sessions.deadline_of(state, req, r)
-    past_due = active & ~dropped & (deadline > 0) & (deadline <= now)
+    past_due = active & ~prefilled & ~dropped & (deadline > 0) & (deadline <= now)
     queued = active & ~dropped & ~past_due
     status = jnp.where(dropped, DROPPED, jnp.where(past_due, TIMED_OUT, QUEUED))
     state = set_status(state, r, status, active)
-    state = set_row(state, r, -1, active)
+    state = set_row(state, r, jnp.where(prefilled, held, -1), active)
     state = log_exit(state, dims, r, status, dropped | past_due)
     state = dataclasses.replace(
         state,
         dropped=state.dropped + dropped,
         timed_out=state.timed_out + past_due,
-        total_input_tokens=state.total_input_tokens + jnp.where(active & ~dropped, input_len, 0),
+        total_input_tokens=state.total_input_tokens + jnp.where(active & ~dropped & ~prefilled, input_len, 0),
     )
     state = waitqueue.push_back(state, dims, req, r, queued)
     state = sessions.arm_timeout(state, params, req, r, queued)
@@ -166,7 +170,8 @@ def timeout(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
     has_row = fires & (row >= 0)
     state = _advance_clock(state, sessions.deadline_of(state, req, r), fires)
     state = waitqueue.remove(state, dims, r, waiting)
-    state = kv.release_row(state, dims, row, running)
+    reserved = waiting & (row >= 0) & (state.row_state[jnp.maximum(row, 0)] == ROW_RESERVED)
+    state = kv.release_row(state, dims, row, running | reserved)
     in_batch = (jnp.arange(dims.batch_slots) < state.batch_len) & (state.batch_rows == row) & has_row
     state = batch.remove_batch_slots(state, dims, in_batch)
     state = log_exit(state, dims, r, TIMED_OUT, fires, row=jnp.where(has_row, row, -1))
@@ -310,6 +315,10 @@ def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams,
         state = log_exit(state, dims, rq, status, on, row=row, e2e=e2e, output_tokens=tokens)
         state = set_row(set_status(state, rq, status, on), rq, -1, on)
         state = sessions.on_completion(state, params, req, model, rq, state.now + step_us, on)
+        if dims.exit_log > 1:  # a PD cluster starts the KV transfer of a finished prefill
+            at = jnp.where(on & is_done, state.exit_count % dims.exit_log, dims.exit_log)
+            state = dataclasses.replace(state, exit_req=state.exit_req.at[at].set(rq.astype(jnp.int32), mode="drop"),
+                                        exit_count=state.exit_count + (on & is_done))
         at_row = jnp.where(on, row, dims.rows)
         return k + on, dataclasses.replace(
             state,

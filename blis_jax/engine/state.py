@@ -38,6 +38,7 @@ LENGTH_CAPPED = 6  # force-completed at max_model_len (also a completion)
 ROW_FREE = 0
 ROW_RUNNING = 1
 ROW_PREEMPTED = 2
+ROW_RESERVED = 3  # blocks reserved for a request whose prompt KV arrives from a prefill instance (transfer.py)
 
 NO_KEY = -1
 NOT_ENQUEUED = (1 << 31) - 1  # enqueue_rank of a request not enqueued yet
@@ -106,6 +107,9 @@ class EngineState(eqx.Module):
     out_run_last: Int64[Array, " N"]
     out_first_step: Int64[Array, " N"]  # step that produced the first token (step trace)
     finished: Int64[Array, ""]  # requests that left (completed, timed out, dropped)
+    exit_req: Int32[Array, " E"]  # completed requests by completion index modulo E (dims.exit_log;
+    #   read by a PD cluster to start KV transfers; one dummy entry otherwise)
+    exit_count: Int64[Array, ""]
 
     # block-table rows
     row_req: Int32[Array, " R"]
@@ -229,6 +233,8 @@ def init_state(
         out_run_last=jnp.full(n, -1, jnp.int64),
         out_first_step=jnp.full(n, -1, jnp.int64),
         finished=i64(0),
+        exit_req=jnp.full(dims.exit_log, -1, jnp.int32),
+        exit_count=i64(0),
         row_req=jnp.full(r, -1, jnp.int32),
         row_state=jnp.zeros(r, jnp.int32),
         row_progress=jnp.zeros(r, jnp.int64),
