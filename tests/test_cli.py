@@ -203,7 +203,8 @@ def _cluster_cases() -> list[str]:
     ids = []
     for case in sorted(BLIS_DIFF.glob("*/case.json")):
         c = json.loads(case.read_text())
-        deterministic = c["routing_policy"] == "round-robin" and not c["other_flags"].get("prefill_instances")
+        pool_scorers = any(k in c["other_flags"] for k in ("prefill_routing_scorers", "decode_routing_scorers"))
+        deterministic = c["routing_policy"] == "round-robin" and not pool_scorers
         if (c["num_instances"] > 1 or c["admission_policy"] != "always-admit") and deterministic:
             ids.append(c["id"].split("_")[0])
     return ids

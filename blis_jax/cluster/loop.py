@@ -362,23 +362,22 @@ def _start_transfers(cs: ClusterState, cd: ClusterDims, params, cparams: Cluster
 
 
 def _instances_until(cs: ClusterState, cd: ClusterDims, params, req, out_len, model, limits, until):
-    """Every instance through its events before `until`; `limits` [I] caps each one's events."""
+    """Every instance through its events before `until[i]`; `limits[i]` caps its event count."""
 
-    def one(state, output_len, limit):
+    def one(state, output_len, limit, until):
         lane_req = dataclasses.replace(req, output_len=output_len)
         return engine.run_until(cd.engine, state, params, lane_req, model, limit, until)
 
-    return dataclasses.replace(cs, instances=jax.vmap(one)(cs.instances, out_len, limits))
+    return dataclasses.replace(cs, instances=jax.vmap(one)(cs.instances, out_len, limits, until))
 
 
-def _caught_up(cs: ClusterState, params, req, out_len, until, lanes=None):
-    """Every instance (in `lanes`) has processed all its events before `until`."""
+def _caught_up(cs: ClusterState, params, req, out_len, until):
+    """Every instance has processed all its events before `until[i]`."""
 
-    def one(state, output_len):
+    def one(state, output_len, until):
         return engine.finished(state, params, dataclasses.replace(req, output_len=output_len), until)
 
-    done = jax.vmap(one)(cs.instances, out_len)
-    return jnp.all(done if lanes is None else done | ~lanes)
+    return jnp.all(jax.vmap(one)(cs.instances, out_len, jnp.broadcast_to(until, out_len.shape[:1])))
 
 
 def _next_prefill_time(cs: ClusterState, cparams: ClusterParams, params, req, out_len):
@@ -399,7 +398,7 @@ def overflowed(cs: ClusterState):
 def finished(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays):
     out_len = lane_output_len(cparams, req)
     return (((next_cluster_time(cs, cparams, params, req) >= INF_TIME)
-             & _caught_up(cs, params, req, out_len, INF_TIME)) | overflowed(cs))
+             & _caught_up(cs, params, req, out_len, jnp.int64(INF_TIME))) | overflowed(cs))
 
 
 def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams: ClusterParams, req, model,
@@ -420,20 +419,18 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
 
     def body(c, ops, on):
         params, cparams, req, out_len, model, limit = ops
-        limits = jnp.full(cd.num_instances, jnp.where(on, limit, 0))
         t_cluster = next_cluster_time(c, cparams, params, req)
         t_prefill = _next_prefill_time(c, cparams, params, req, out_len) if cd.pd else INF_TIME
-        bound = jnp.minimum(t_cluster, t_prefill)
-        c = _instances_until(c, cd, params, req, out_len, model, limits, bound)
-        caught = on & _caught_up(c, params, req, out_len, bound) & ~overflowed(c)
+        # A prefill tick first: the prefill pool runs that tick (its earlier events are none),
+        # the others only up to it; else everyone runs up to the cluster event.
+        prefill_tick = t_prefill < t_cluster
+        until = jnp.minimum(t_cluster, t_prefill) + (prefill_tick & cparams.prefill_role)
+        c = _instances_until(c, cd, params, req, out_len, model, jnp.full(cd.num_instances, jnp.where(on, limit, 0)),
+                             until)
+        caught = on & _caught_up(c, params, req, out_len, until) & ~overflowed(c)
         if cd.pd:
-            prefill_tick = caught & (t_prefill < t_cluster)
-            lanes = cparams.prefill_role & prefill_tick
-            c = _instances_until(c, cd, params, req, out_len, model, jnp.where(lanes, limit, 0), t_prefill + 1)
-            ticked = prefill_tick & _caught_up(c, params, req, out_len, t_prefill + 1, cparams.prefill_role)
-            c = _start_transfers(c, cd, params, cparams, req, t_prefill, ticked & ~overflowed(c))
-            caught = caught & ~prefill_tick
-        go = caught & (t_cluster < INF_TIME)
+            c = _start_transfers(c, cd, params, cparams, req, t_prefill, caught & prefill_tick)
+        go = caught & ~prefill_tick & (t_cluster < INF_TIME)
         _, _, t_route = next_arrival(c, cparams, params, req)
         is_arrival = t_route <= t_cluster  # arrivals (priority 0-2) before transfer completions (6)
         c = _arrival_event(c, cd, params, cparams, req, model, go & is_arrival)
