@@ -1,0 +1,147 @@
+"""Prefill/decode disaggregation in the cluster loop (blis-features §3.10) against BLIS's E05 and
+E07 reference cases, and conservation when the horizon cuts transfers in flight.
+
+E05 (2 prefill + 2 decode instances, round-robin, decider always) is deterministic, so it must
+match BLIS request by request: parent TTFT / E2E / ITL, the prefill's scheduling delay, the
+decode instance that served each request, every cluster aggregate and every per-instance
+block. E07 routes each pool with its own scorers, whose ties BLIS breaks with Go's math/rand:
+its cluster aggregates are compared within the issue's 2 % (slow: a second compiled program).
+
+The horizon tests reuse E05's compiled program (horizon, bandwidth and seed are dynamic).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+
+import numpy as np
+import pytest
+from engine_helpers import case_dir, latency_model, params_from
+from shared_data import needs_blis_diff
+
+from blis_jax import latency
+from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster_views
+from blis_jax.config import load_model
+from blis_jax.config.kv_capacity import kv_bytes_per_token
+from blis_jax.engine import output as so
+from blis_jax.metrics import metrics_output
+from blis_jax.output import pd_summary
+from blis_jax.workload.tracev2 import read_trace
+
+pytestmark = needs_blis_diff
+
+
+@cache
+def case(case_id: str):
+    d = case_dir(case_id)
+    c = json.loads((d / "case.json").read_text())
+    _, requests = read_trace(d / "trace.yaml", d / "trace.csv")
+    model = latency_model(c["model"], c["hardware"], int(c["tp"]), c["latency_model"])
+    metrics = json.loads((d / "metrics.json").read_text())
+    records = {int(r["requestID"].rsplit("_", 1)[1]): r for r in metrics.pop("requests")}
+    results = {int(r["request_id"]): r for r in json.loads((d / "results.json").read_text())}
+    blocks = [json.loads("{" + b.split("{", 1)[1].split("\n}", 1)[0] + "\n}")
+              for b in (d / "stdout.txt").read_text().split("=== Simulation Metrics ===")[1:]]
+    return c, requests, model, metrics, records, results, blocks
+
+
+def config(c: dict, **overrides) -> ClusterConfig:
+    of = c["other_flags"]
+    settings = dict(num_instances=c["num_instances"], routing_policy=c["routing_policy"],
+                    routing_scorers=c["routing_scorers"], seed=c["seed"],
+                    prefill_instances=of["prefill_instances"], decode_instances=of["decode_instances"],
+                    pd_decider=of["pd_decider"], prefill_routing_scorers=of.get("prefill_routing_scorers"),
+                    decode_routing_scorers=of.get("decode_routing_scorers"))
+    settings.update(overrides)
+    return ClusterConfig(**settings)
+
+
+def run(case_id: str, horizon_us: int | None = None, **overrides):
+    c, requests, model, *_ = case(case_id)
+    settings = dict(c, horizon_us=horizon_us or c["horizon_us"])
+    kvb = kv_bytes_per_token(load_model(c["model"]), int(c["tp"]))
+    return simulate_cluster_views(requests, params_from(settings), model, config(c, **overrides),
+                                  kv_bytes_per_token=kvb)
+
+
+@cache
+def e05():
+    return run("E05")
+
+
+def test_e05_matches_blis_request_by_request():
+    c, requests, _, _, records, results, _ = case("E05")
+    out, views = e05()
+    assert out.result == 0
+    for i, rid in enumerate(requests.request_id.tolist()):
+        want, rec = results[rid], records[rid]
+        assert out.status[i] == so.COMPLETED
+        assert out.ttft_us[i] == want["ttft_us"], rid
+        assert out.e2e_us[i] == want["e2e_us"], rid
+        assert out.itl_sum_us[i] / max(out.output_tokens[i] - 1, 1) == pytest.approx(want["itl_mean_us"], rel=1e-12)
+        assert out.sched_delay_us[i] == round(rec["scheduling_delay_ms"] * 1000)  # the prefill's
+        assert f"instance_{out.handled_by[i]}" == rec["handled_by"]
+    assert views.disaggregated.all() and views.dropped_at_decode == 0
+
+
+def test_e05_aggregates_and_instance_blocks_match():
+    _, requests, _, metrics, _, _, blocks = case("E05")
+    out, views = e05()
+    got = metrics_output(out, requests, with_cache_hit_rate=True)
+    for key, value in metrics.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+    for k, block in enumerate(blocks[:-1]):  # instance_0..3, then the cluster
+        mine = metrics_output(views.outputs[k], requests, k)
+        for key, value in block.items():
+            assert mine[key] == (pytest.approx(value, rel=1e-12, abs=1e-12) if key != "instance_id" else value), \
+                (k, key)
+
+
+def test_e05_pd_section_figures():
+    out, views = e05()
+    s = pd_summary(out, views)
+    assert (s.disaggregated, s.dropped_at_decode) == (600, 0)
+    assert s.prefill_throughput == pytest.approx(13.9032, abs=5e-5)
+    assert s.parent_ttft_us.mean() == pytest.approx(41638.6, abs=0.05)
+    assert s.transfer_us.mean() == pytest.approx(2846.6, abs=0.05)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.6])
+def test_conservation_when_the_horizon_cuts_transfers(fraction):
+    """Slow transfers (0.05 GB/s: tens of ms each) so that some are in flight at the horizon:
+    every request that arrived is counted exactly once (never both as a finished prefill and
+    as a parent), in-flight transfers count as still running."""
+    c, requests, model, *_ = case("E05")
+    horizon = int(requests.arrival_us.max() * fraction)
+    out, views = run("E05", horizon_us=horizon, pd_transfer_bandwidth=0.05)
+    m = metrics_output(out, requests)
+    # As in BLIS, a request counts once it reached a queue: α0 after its arrival.
+    queued_by = requests.arrival_us + int(latency.queueing_time_us(model, 1)) <= horizon
+    arrived = int(queued_by.sum())
+    assert m["injected_requests"] == arrived
+    assert (m["completed_requests"] + m["still_queued"] + m["still_running"] + m["dropped_unservable"]
+            + m["timed_out_requests"]) == arrived
+    assert np.isin(out.status[queued_by], [so.COMPLETED, so.QUEUED, so.RUNNING]).all()
+    assert (out.status[~queued_by] == so.NOT_ARRIVED).all()
+    in_transfer = int(m["still_running"]) - sum(int(o.still_running[k]) for k, o in enumerate(views.outputs))
+    assert in_transfer > 0, "the scenario should leave transfers in flight"
+    assert views.prefill_completed >= m["completed_requests"]
+
+
+def test_decider_never_serves_everything_on_the_decode_pool():
+    c, requests, *_ = case("E05")
+    out, views = run("E05", pd_decider="never")
+    assert not views.disaggregated.any() and views.prefill_completed == 0
+    assert set(np.unique(out.handled_by)) <= {2, 3}
+    assert so.is_completed(out.status).all()
+
+
+@pytest.mark.slow
+def test_e07_cluster_aggregates_within_2_percent():
+    _, requests, _, metrics, *_ = case("E07")
+    out, _ = run("E07")
+    got = metrics_output(out, requests)
+    assert got["completed_requests"] == metrics["completed_requests"]
+    for key in ("ttft_mean_ms", "e2e_mean_ms", "itl_mean_ms"):
+        assert got[key] == pytest.approx(metrics[key], rel=0.02), key
