@@ -4,5 +4,6 @@
 * `local`: request-local fixed-schedule latencies (the fitting default);
 * `observed`: the observed experiments file and BLIS's loss;
 * `fit`: the outer (simulate) / inner (adam) fitting driver and cross-validation;
-* `report`, `commands`: the coefficient YAML, the report directory and the CLI subcommand.
+* `report`, `commands`: the coefficient YAML, the report directory and the CLI subcommand;
+* `sensitivity`, `sensitivity_commands`: derivatives of a run's metrics (`blis-jax sensitivity`).
 """
