@@ -243,7 +243,10 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r])
     admitted = admitted & on
     live = live_signals(cs.instances, params, cd.engine.block_size)
-    snapshot = signals.refresh(cs.snapshot, live, t_route, cparams.active)
+    # A RouterState build re-reads the stale signals of the instances it covers: all of them,
+    # or with PD pools the decode pool (then the prefill pool, for a disaggregated request).
+    covered = cparams.active & cparams.decode_role if cd.pd else cparams.active
+    snapshot = signals.refresh(cs.snapshot, live, t_route, covered)
     cache_signal = cs.cache_signal
     if cd.reads_prefix_cache:
         cache_signal = signals.refresh_cache_signal(cache_signal, group_blocks_cached(cs.instances, cd.engine), t_route)
@@ -267,6 +270,9 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
                                                                cd.engine.block_size)
         shared = new_decode if cs.decode_profile is None else cs.profile  # the routing profile after the decode pick
         prefill_base = cs.prefill_profile if cs.prefill_profile is not None else shared
+        snapshot = jax.tree.map(lambda a, b: jnp.where(disaggregated, a, b),
+                                signals.refresh(snapshot, live, t_route, cparams.active & cparams.prefill_role),
+                                snapshot)
         rs_p = signals.router_state(snapshot, in_flight, cparams.active & cparams.prefill_role)
         new_prefill, rr_p, prefill = _pick(cd, prefill_base, rr, rs_p, route_req,
                                            jax.random.fold_in(jax.random.fold_in(cs.key, 2), r))
