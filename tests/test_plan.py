@@ -3,7 +3,8 @@ candidate and of the next one; SLO / candidate parsing; the answer rule on hand-
 
 The engine runs share test_sweep.py's program shapes (8 vmapped lanes; 24 requests,
 max-num-seqs <= 8, 600 KV blocks): with max-num-seqs 4 these scenarios saturate between 12 and
-16 req/s, where p99 TTFT jumps from ~30 ms to >100 ms.
+16 req/s, where p99 TTFT jumps from ~30 ms to >100 ms. The num-instances plan shares
+test_sweep.py's cluster programs (128 requests; 4 instance slots, and 2 for the check run).
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ import yaml
 
 from blis_jax.cli import main
 from blis_jax.errors import ConfigError
-from blis_jax.sweep.plan import evaluate, parse_candidates, parse_search, parse_slo
+from blis_jax.sweep.plan import (
+    Answer,
+    describe,
+    evaluate,
+    parse_candidates,
+    parse_search,
+    parse_slo,
+)
 from blis_jax.sweep.table import METRICS, SweepTable
 
 BASE = {"num-requests": 24, "total-kv-blocks": 600, "max-num-seqs": 4, "max-num-batched-tokens": 512,
@@ -64,6 +72,27 @@ def test_largest_rate_checks_out(tmp_path):
     assert [r["meets_slo"] for r in rows] == [rate <= chosen for rate in RATES]
 
 
+def test_smallest_instance_count_checks_out(tmp_path):
+    """`plan --search num-instances` (default: smallest): at 30 req/s one and two instances
+    miss the p99 TTFT target and four meet it; separate runs agree."""
+    settings = {**BASE, "num-requests": 128, "rate": 30}
+    grid = tmp_path / "base.yaml"
+    grid.write_text(yaml.safe_dump({"base": settings}))
+    rc, out, err = cli("plan", grid, "--slo", f"ttft_p99_ms={SLO_TTFT_MS:g}", "--search", "num-instances",
+                       "--candidates", "1,2,4", "--output-dir", tmp_path / "o")
+    assert rc == 0, err
+    (answer,) = re.findall(r"^num-instances = (\d+): the smallest candidate meeting ttft_p99_ms<=80", out,
+                           re.MULTILINE)
+    chosen = int(answer)
+    assert chosen > 1, out
+    smaller = {2: 1, 4: 2}[chosen]
+    assert f"next candidate {smaller} fails: ttft_p99_ms=" in out
+    assert meets(run_metrics(tmp_path, {**settings, "num-instances": chosen}))
+    assert not meets(run_metrics(tmp_path, {**settings, "num-instances": smaller}))
+    rows = json.loads((tmp_path / "o" / "plan.json").read_text())["rows"]
+    assert [(r["num-instances"], r["meets_slo"]) for r in rows] == [(n, n >= chosen) for n in (1, 2, 4)]
+
+
 def test_smallest_batch_limit_with_candidates_flag(tmp_path):
     """Search down (min) over an axis the grid does not have (--candidates): the smallest
     max-num-seqs that keeps p99 TTFT within the target at 20 req/s."""
@@ -101,9 +130,21 @@ def test_parse_candidates_and_search():
             parse_candidates(bad)
     assert parse_search("rate") == ("rate", "max")
     assert parse_search("num_instances") == ("num-instances", "min")
+    assert parse_search("num-instances:max") == ("num-instances", "max")
     assert parse_search("max-num-seqs:min") == ("max-num-seqs", "min")
     with pytest.raises(ConfigError, match="max-num-seqs:max or max-num-seqs:min"):
         parse_search("max-num-seqs")
+
+
+def test_bad_instance_candidates_are_one_clear_error(tmp_path):
+    grid = tmp_path / "g.yaml"
+    grid.write_text(yaml.safe_dump({"base": {"rate": 5}}))
+    for candidates, fragment in (("0,1,2", ": 0: the number of instances must be an integer in 1..1024"),
+                                 ("1,2.5", "2.5 must be an integer")):
+        rc, out, err = cli("plan", grid, "--slo", "ttft_p99_ms=100", "--search", "num-instances",
+                           "--candidates", candidates)
+        assert rc == 2 and out == "" and err.count("\n") == 1, err
+        assert "num-instances" in err and fragment in err, err
 
 
 def _table(entries) -> SweepTable:
@@ -133,3 +174,13 @@ def test_answer_rule():
     # min direction; nothing passes
     _, (answer,) = evaluate(_table([(1, 500, 1, 1, "ok"), (2, 400, 1, 1, "ok")]), "rate", "min", slo)
     assert answer.value is None and answer.next_value == 2
+
+
+def test_describe_smallest_possible_instance_count():
+    slo = parse_slo("ttft_p99_ms=100")
+    one = Answer(context={"rate": 8}, value=1, next_value=None, failures=(), also_passing=())
+    assert describe(one, "num-instances", "min", slo) == (
+        "[rate=8] num-instances = 1: the smallest candidate meeting ttft_p99_ms<=100 (every candidate passes, "
+        "and 1 is the smallest possible num-instances)")
+    two = Answer(context={}, value=2, next_value=None, failures=(), also_passing=())
+    assert "extend the candidates down" in describe(two, "num-instances", "min", slo)

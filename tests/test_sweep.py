@@ -1,6 +1,7 @@
 """`blis-jax sweep`: rows equal separate `blis-jax run`s, one compiled program for a grid that
 varies only numbers (and a categorical model axis), strict grid validation, sharding over 4
-host devices, the compile cache, plots.
+host devices, the compile cache, plots; cluster scenarios (num-instances axis) equal separate
+cluster runs and share one program per structural group.
 
 In-process engine runs share two program shapes (the vmapped batch of 8 lanes, forced with
 --max-batch 8 since CPU sweeps default to one lane per device, and the `run` driver's), also
@@ -8,6 +9,10 @@ shared with tests/test_plan.py: the grids fix total-kv-blocks and the lengths (s
 max-num-seqs stays within one bucket. The 4-device subprocess runs the CPU default (one lane
 per device, no vmap), so the two tables also compare the two batch programs. It starts first
 so that its compilation overlaps the in-process tests.
+
+The cluster tests use 128 requests (CLUSTER_BASE) and round-robin routing; their programs (the
+single-instance lane and run driver at those dims, the cluster program at 4 and at 2 instance
+slots) are shared with tests/test_plan.py's num-instances plan.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import pytest
 import yaml
 
 from blis_jax.cli import main
+from blis_jax.cluster import loop
+from blis_jax.cluster import simulate as cluster_sim
 from blis_jax.config import load_coefficients
 from blis_jax.engine import simulate as sim
 from blis_jax.errors import ConfigError
@@ -43,6 +50,9 @@ GRID = {"base": BASE,
         "axes": {"model": MODELS, "rate": [10, 40], "beta-scale": [1.0, 1.5]},
         "plots": [{"metric": "itl_p99_ms", "x": "beta-scale", "lines": "model"}]}
 BASE_FLAGS = [f"--{k}={v}" for k, v in BASE.items()]
+# Cluster scenarios: 128 requests; at 30 req/s one instance saturates, two nearly do, four do not.
+CLUSTER_BASE = {**BASE, "num-requests": 128}
+CLUSTER_GRID = {"base": CLUSTER_BASE, "axes": {"num-instances": [1, 2, 4], "rate": [10, 30]}}
 
 
 def cli(*argv) -> tuple[int, str, str]:
@@ -86,10 +96,10 @@ def sweep(tmp_path_factory, grid_file, sharded_process):
     return {"dir": out_dir, "table": table, "rows": table["rows"], "stdout": stdout, "stderr": stderr}
 
 
-def run_metrics(tmp_path: Path, *flags) -> dict:
+def run_metrics(tmp_path: Path, *flags, base=BASE) -> dict:
     """The --metrics-path block of a separate `blis-jax run` (per-request records dropped)."""
     path = tmp_path / "metrics.json"
-    rc, _, err = cli("run", *BASE_FLAGS, *flags, "--metrics-path", path)
+    rc, _, err = cli("run", *[f"--{k}={v}" for k, v in base.items()], *flags, "--metrics-path", path)
     assert rc == 0, err
     metrics = json.loads(path.read_text())
     metrics.pop("requests")
@@ -167,6 +177,79 @@ def test_sharded_equals_unsharded(sweep, sharded_process):
     assert any((d / "cache").iterdir())
 
 
+# ------------------------------------------------------------------------------- clusters
+
+
+@pytest.fixture(scope="module")
+def cluster_sweep(tmp_path_factory):
+    d = tmp_path_factory.mktemp("clusters")
+    grid = write_grid(d / "instances.yaml", CLUSTER_GRID)
+    rc, _, stderr = cli("sweep", grid, "--output-dir", d / "out", "--progress", "--no-plots")
+    assert rc == 0, stderr
+    return {"dir": d / "out", "rows": json.loads((d / "out" / "table.json").read_text())["rows"], "stderr": stderr}
+
+
+def test_cluster_rows_equal_separate_runs(cluster_sweep, tmp_path):
+    """num-instances 1 (the single-instance lane), 2 and 4 (one cluster program with 4 instance
+    slots): every row equals a separate `blis-jax run --num-instances N` (which compiles its
+    own N slots), so the padding slots change nothing."""
+    rows = cluster_sweep["rows"]
+    assert [(r["num-instances"], r["rate"]) for r in rows] == [(n, rate) for n in (1, 2, 4) for rate in (10, 30)]
+    compiled = loop.advance._cache_size()
+    for row in rows:
+        expected = run_metrics(tmp_path, "--num-instances", row["num-instances"], "--rate", row["rate"],
+                               base=CLUSTER_BASE)
+        assert row["result"] == "ok"
+        assert {k: row[k] for k in expected} == expected, f"scenario {row['scenario']}"
+        assert row["kv_allocation_failures"] == expected.get("kv_allocation_failures", 0)
+    # the instance count changes the outcome (at 30 req/s: saturated, nearly, not at all)
+    ttft = {(r["num-instances"], r["rate"]): r["ttft_p99_ms"] for r in rows}
+    assert ttft[1, 30] > ttft[2, 30] > ttft[4, 30]
+    # `run --num-instances 4` reused the sweep's program (4 slots); only 2 slots was new
+    assert loop.advance._cache_size() <= compiled + 1
+    assert "6/6 scenarios" in cluster_sweep["stderr"]
+
+
+def test_cluster_no_recompile_when_only_instances_and_numbers_change(cluster_sweep, monkeypatch):
+    """Instance counts 2 and 3 (both within the 4 slots), other rates, seed and signal delays:
+    the cluster program compiled for the first grid runs them (tracing the loop now fails)."""
+    before = (loop.advance._cache_size(), cluster_sim._init._cache_size())
+    monkeypatch.setattr(loop, "run_cluster", chex.assert_max_traces(loop.run_cluster, n=0))
+    chex.clear_trace_counter()
+    other = {"base": {**CLUSTER_BASE, "seed": 7, "snapshot-refresh-interval": 10_000, "routing-latency": 50},
+             "axes": {"num-instances": [3, 2], "rate": [15, 25]}}
+    table = run_sweep(parse_grid(other))
+    assert (loop.advance._cache_size(), cluster_sim._init._cache_size()) == before
+    assert all(r["result"] == "ok" for r in table.rows)
+    assert len({r["ttft_p99_ms"] for r in table.rows}) == 4
+    assert {r["completed_requests"] for r in table.rows} == {128}
+
+
+@pytest.mark.slow
+def test_cluster_policies_equal_separate_runs(tmp_path):
+    """Weighted, least-loaded, token-bucket admission (also on one instance, which is then a
+    cluster scenario) and prefill/decode pools, at instance counts below their slots: rows
+    equal separate runs. Slow: each policy is its own program, compiled for the sweep and for
+    each run."""
+    keys = ("num-instances", "routing-policy", "admission-policy", "prefill-instances", "decode-instances",
+            "pd-decider")
+    scenarios = [dict(zip(keys, values)) for values in (
+        (2, "weighted", "always-admit", 0, 0, "never"),
+        (3, "weighted", "always-admit", 0, 0, "never"),
+        (3, "least-loaded", "always-admit", 0, 0, "never"),
+        (1, "round-robin", "token-bucket", 0, 0, "never"),
+        (3, "round-robin", "always-admit", 1, 2, "always"),
+    )]
+    base = {**CLUSTER_BASE, "rate": 30, "token-bucket-capacity": 3000, "token-bucket-refill-rate": 2000}
+    table = run_sweep(parse_grid({"base": base, "scenarios": scenarios}))
+    for row, scenario in zip(table.rows, scenarios):
+        flags = [f"--{k}={v}" for k, v in scenario.items()]
+        expected = run_metrics(tmp_path, *flags, base=base)
+        assert row["result"] == "ok"
+        assert {k: row[k] for k in expected} == expected, scenario
+    assert table.rows[3]["completed_requests"] < 128  # the bucket rejected some
+
+
 # ----------------------------------------------------------------------------- validation
 
 
@@ -181,8 +264,18 @@ def test_sharded_equals_unsharded(sweep, sharded_process):
     ({"axes": {"rate": [1]}, "scenarios": [{"rate": 2}]}, ["one of `axes`", "`scenarios`", "not both"]),
     ({"base": [1]}, ["base", "must be a mapping"]),
     ([1, 2], ["the grid must be a mapping"]),
-    ({"axes": {"num-instances": [1, 2]}}, ["axes.num-instances", "2", "clusters", "not implemented yet"]),
-    ({"base": {"num-instances": 4}, "axes": {"rate": [1]}}, ["base.num-instances", "not implemented yet"]),
+    ({"axes": {"num-instances": [1, 0]}}, ["axes.num-instances", ": 0:", "instances must be an integer in 1..1024"]),
+    ({"base": {"num-instances": -1}, "axes": {"rate": [1]}}, ["base.num-instances", ": -1:", "1..1024"]),
+    ({"axes": {"num-instances": [2, 2.5]}}, ["axes.num-instances", "2.5 must be an integer"]),
+    ({"axes": {"routing-policy": ["weighted", "random"]}}, ["axes.routing-policy", "'random' is not one of",
+                                                            "round-robin"]),
+    ({"base": {"admission-policy": "token_bucket"}}, ["base.admission-policy", "'token_bucket' is not one of"]),
+    ({"base": {"routing-scorers": "queue-depth:1"}, "axes": {"rate": [1]}},
+     ["g.yaml: base: routing-scorers is used by routing-policy weighted only", "the policy is round-robin"]),
+    ({"base": {"routing-scorers": "queue-depth:1"}, "axes": {"routing-policy": ["weighted", "least-loaded"]}},
+     ["scenario 1 (routing-policy=least-loaded): routing-scorers", "routing-policy weighted only"]),
+    ({"base": {"routing-policy": "weighted"}, "axes": {"routing-scorers": ["queue-depth:1", "bogus:1"]}},
+     ["axes.routing-scorers", "unknown scorer 'bogus'"]),
     ({"axes": {"scheduler": ["fcfs", "lifo"]}}, ["axes.scheduler", "'lifo' is not one of"]),
     ({"axes": {"beta[11]": [1.0]}}, ["axes.beta[11]", "index 11 is out of range"]),
     ({"axes": {"alpha-scale": [1, "x"]}}, ["axes.alpha-scale", "'x' must be a finite number"]),

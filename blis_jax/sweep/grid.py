@@ -11,9 +11,10 @@
     plots:                # optional: metric against one axis, one line per value of another
       - {metric: ttft_p99_ms, x: rate, lines: max-num-seqs}
 
-An axis is any run setting (numbers, or categorical strings such as model or hardware) or a
-coefficient axis (`alpha[i]`, `beta[i]`, `alpha-scale`, `beta-scale`). Validation is strict:
-an unknown key or a mistyped value raises a ConfigError naming it and the fix.
+An axis is any run setting (numbers, or categorical strings such as model or hardware, and
+the cluster settings: num-instances, routing-policy, routing-scorers, admission-policy, ...)
+or a coefficient axis (`alpha[i]`, `beta[i]`, `alpha-scale`, `beta-scale`). Validation is
+strict: an unknown key or a mistyped value raises a ConfigError naming it and the fix.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ PLOT_KEYS = ("metric", "x", "lines")
 PATH_SETTINGS = ("workload-spec", "coefficients")
 # Settings that may name a file or a bundled id: relative to the grid file when that file exists.
 MAYBE_PATH_SETTINGS = ("model", "hardware")
-CLUSTERS_NOT_YET = ("clusters (num-instances > 1) are not implemented yet (issue 4); only "
-                    "num-instances 1 can be simulated for now")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +96,7 @@ class Grid:
         others = [a for a in self.axes if a != key]
         rest = _unique_combos(self.combos, others)
         combos = tuple({**c, key: v} for c in rest for v in values)
+        _check_scenarios(self.base, combos, self.source)
         return dataclasses.replace(self, axes=(*others, key), combos=combos)
 
 
@@ -141,6 +141,7 @@ def parse_grid(data: Any, source: str = "grid", root: Path | None = None) -> Gri
     for key in axes:
         if key in base:
             raise ConfigError(f"{source}: {key} is both in base and an axis; remove it from base")
+    _check_scenarios(base, combos, source)
     plots = _parse_plots(data.get("plots") or [], axes, source)
     return Grid(base=base, axes=axes, combos=tuple(combos), plots=plots, source=source)
 
@@ -165,8 +166,7 @@ def _parse_base(base: Any, source: str, root: Path | None) -> dict[str, str]:
         if key in out:
             raise ConfigError(f"{where}.{raw_key}: {key} is set twice (dashes and underscores are the same key)")
         out[key] = _file_setting(key, settings.value_token(key, value, where), root)
-    if out.get("num-instances", "1") != "1":
-        raise ConfigError(f"{where}.num-instances: {out['num-instances']}: {CLUSTERS_NOT_YET}")
+        _check_cluster_value(key, value, f"{where}.{key}")
     return out
 
 
@@ -201,8 +201,36 @@ def _check_values(key: str, values, where: str) -> None:
         return
     for value in values:
         settings.value_token(key, value, where.rsplit(".", 1)[0])
-        if key == "num-instances" and value != 1:
-            raise ConfigError(f"{where}: {value}: {CLUSTERS_NOT_YET}")
+        _check_cluster_value(key, value, where)
+
+
+def _check_cluster_value(key: str, value: Any, where: str) -> None:
+    """Cluster settings `run` would only reject later: the instance count's range and the
+    weighted-routing scorer list (value already type-checked by settings.value_token)."""
+    if key == "num-instances":
+        from blis_jax.cluster.simulate import MAX_INSTANCES
+
+        if not 1 <= int(value) <= MAX_INSTANCES:
+            raise ConfigError(f"{where}: {value}: the number of instances must be an integer in "
+                              f"1..{MAX_INSTANCES}")
+    elif key in ("routing-scorers", "prefill-routing-scorers", "decode-routing-scorers"):
+        from blis_jax.cluster.scorers import parse_profile
+
+        parse_profile(str(value), flag=where)
+
+
+def _check_scenarios(base: Mapping[str, str], combos, source: str) -> None:
+    """Rules between settings, per scenario: routing-scorers needs routing-policy weighted
+    (as `run`, but before anything is resolved)."""
+    default_policy = settings.run_default("routing-policy")
+    for i, combo in enumerate(combos):
+        if "routing-scorers" not in combo and "routing-scorers" not in base:
+            continue
+        policy = str(combo.get("routing-policy", base.get("routing-policy", default_policy)))
+        if policy != "weighted":
+            where = "base" if "routing-scorers" in base and "routing-policy" not in combo else scenario_label(i, combo)
+            raise ConfigError(f"{source}: {where}: routing-scorers is used by routing-policy weighted only, but "
+                              f"the policy is {policy}; set routing-policy: weighted or drop routing-scorers")
 
 
 def _parse_axes(axes: Any, source: str, root: Path | None) -> tuple[tuple[str, ...], list[dict]]:

@@ -29,7 +29,6 @@ from blis_jax.engine.params import EngineParams
 from blis_jax.workload.requests import RequestSet
 
 
-
 def run_instance(dims: EngineDims, inputs):
     """One single-instance simulation, start to end (vmapped over lanes by the runner)."""
     params, req, model = inputs

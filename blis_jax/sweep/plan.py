@@ -3,7 +3,7 @@
 Every candidate runs in one batched sweep. Candidates are ordered along the search axis; the
 answer for `max` is the last candidate of the run of passing candidates that starts at the
 smallest one (so every smaller candidate passes too and the next larger one fails), and
-symmetrically for `min` (e.g. the smallest instance count, once clusters exist). The other
+symmetrically for `min` (e.g. the smallest instance count). The other
 axes of the grid each get their own answer.
 
 A candidate passes when its engine run finished, every SLO target holds, and (unless allowed
@@ -28,6 +28,8 @@ HIGHER_IS_BETTER = frozenset({"completed_requests", "responses_per_sec", "tokens
                               "injected_requests", "total_output_tokens"})
 # Search direction when `--search AXIS` gives none.
 DEFAULT_DIRECTION = {"rate": "max", "num-instances": "min", "total-kv-blocks": "min"}
+# Smallest value an axis can take: a `min` answer there needs no "extend the candidates" hint.
+LOWEST = {"num-instances": 1, "total-kv-blocks": 1, "max-num-seqs": 1}
 MEETS = "meets_slo"
 
 
@@ -171,6 +173,8 @@ def describe(answer: Answer, axis: str, direction: str, targets: Sequence[SloTar
     text = f"{head}{axis} = {answer.value}: the {word} candidate meeting {slo}"
     if answer.next_value is not None:
         text += f"; next candidate {answer.next_value} fails: {'; '.join(answer.failures)}"
+    elif direction == "min" and answer.value == LOWEST.get(axis):
+        text += f" (every candidate passes, and {answer.value} is the smallest possible {axis})"
     else:
         text += f" (every candidate passes; extend the candidates {'up' if direction == 'max' else 'down'} to "
         text += "find the limit)"

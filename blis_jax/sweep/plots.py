@@ -19,7 +19,7 @@ DEFAULT_METRICS = ("ttft_p99_ms", "itl_p99_ms", "e2e_p99_ms")
 MAX_LINES = 10  # a lines axis with more values than this is averaged over instead
 LOG_Y_RATIO = 100  # a y range wider than this (all positive) is drawn on a log scale
 AXIS_LABELS = {"rate": "rate (requests/s)", "horizon": "horizon (µs)", "timeout": "timeout (s)",
-               "total-kv-blocks": "total KV blocks", "alpha[0]": "alpha[0] (µs)"}
+               "total-kv-blocks": "total KV blocks", "alpha[0]": "alpha[0] (µs)", "num-instances": "instances"}
 
 
 def default_plots(table: SweepTable) -> list[PlotSpec]:
@@ -46,6 +46,7 @@ def write_plot(table: SweepTable, spec: PlotSpec, path: str | Path, title: str |
 
     matplotlib.use("Agg")  # files only, never a window (and no display needed)
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     averaged = [a for a in table.axes if a not in (spec.x, spec.lines) and len(_distinct(table, a)) > 1]
     xs = _distinct(table, spec.x)
@@ -80,11 +81,15 @@ def write_plot(table: SweepTable, spec: PlotSpec, path: str | Path, title: str |
         values = [float(v) for v in xs]
         if min(values) > 0 and max(values) / min(values) >= 50:
             ax.set_xscale("log")
+            if len(values) <= 12:  # label the grid's values rather than powers of ten
+                ax.set_xticks(values, [f"{v:g}" for v in values])
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     else:
         ax.set_xticks(range(len(xs)), [_short(v) for v in xs], rotation=15, ha="right")
         ax.margins(x=0.15)
     if drawn and min(drawn) > 0 and max(drawn) / min(drawn) >= LOG_Y_RATIO:
         ax.set_yscale("log")  # e.g. TTFT from tens of ms (stable) to tens of s (saturated)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel(AXIS_LABELS.get(spec.x, spec.x))
     ax.set_ylabel(spec.metric)
     heading = title or f"{spec.metric} vs {spec.x}"

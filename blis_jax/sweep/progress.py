@@ -2,7 +2,8 @@
 
 On a terminal one line is redrawn in place; otherwise (with --progress) lines are written at
 most every few seconds, plus the last one. `close` prints a summary. The first batch of each
-program shape includes its compilation, so early ETAs are pessimistic.
+program shape (and the first cluster scenario of each group) includes its compilation, so
+early ETAs are pessimistic.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ class SweepProgress:
         self.batches, self.devices = index, devices
         where = f" on {devices} devices" if devices > 1 else ""
         self.note = f"batch {index}/{planned} ({lanes} scenarios{where})"
+        self._write(last=False)
+
+    def cluster(self, index: int, planned: int, what: str) -> None:
+        """Cluster scenario `index` of `planned` starts (they run one at a time, after the
+        batches of single-instance scenarios); counted as one batch."""
+        self.batches += 1
+        self.note = f"cluster {index}/{planned} ({what})"
         self._write(last=False)
 
     def finished(self, count: int) -> None:

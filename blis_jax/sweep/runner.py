@@ -2,6 +2,9 @@
 
 Every scenario is resolved (workload generated, latency model built) before anything is
 simulated, so a bad value anywhere in the grid fails in seconds, not after the first batch.
+Single-instance scenarios with always-admit (`Scenario.single_instance`, as `blis-jax run`
+decides) run as lanes of batched programs; the others run on the cluster engine
+(`clusters.py`), grouped so that each structural group compiles once.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from collections.abc import Sequence
 
 from blis_jax.sweep import settings
 from blis_jax.sweep.batch import run_lanes
+from blis_jax.sweep.clusters import ClusterScenario, run_clusters
 from blis_jax.sweep.grid import Grid, ScenarioSpec
 from blis_jax.sweep.lane import InstanceLane
 from blis_jax.sweep.progress import SweepProgress
@@ -49,21 +53,40 @@ def run_sweep(
     """Simulate every scenario of `grid` and tabulate the metrics (rows in scenario order)."""
     specs = select_part(grid.scenarios(), part)
     once = _OnceDiagnostics(diag)
-    lanes, request_sets = [], []
-    for spec in specs:
+    lanes, clusters = [], []  # (position in specs, lane / cluster scenario)
+    request_sets = []
+    for k, spec in enumerate(specs):
         scenario, requests, params = settings.resolve(spec.settings, once, f"{grid.source}: {spec.label}")
-        lanes.append(InstanceLane(requests=requests, params=params, model=scenario.latency_model,
-                                  block_size=scenario.block_size, scheduler=scenario.scheduler,
-                                  preemption_policy=scenario.preemption_policy))
+        common = {"requests": requests, "params": params, "model": scenario.latency_model,
+                  "block_size": scenario.block_size, "scheduler": scenario.scheduler,
+                  "preemption_policy": scenario.preemption_policy}
+        if scenario.single_instance:
+            lanes.append((k, InstanceLane(**common)))
+        else:
+            clusters.append((k, ClusterScenario(cluster=scenario.cluster, kv_bytes_per_token=scenario.kv_bytes_per_token,
+                                                **common)))
         request_sets.append(requests)
     if progress is not None:
-        progress.total = len(lanes)
+        progress.total = len(specs)
 
-    def reduce(i: int, out):
-        return out.result, scenario_metrics(out, request_sets[i])
+    def reducer(positions):
+        def reduce(i: int, out):
+            return out.result, scenario_metrics(out, request_sets[positions[i]])
+        return reduce
 
-    outcomes = run_lanes(lanes, reduce, max_batch=max_batch, memory_budget=memory_budget, devices=devices,
-                         progress=progress)
+    outcomes: list = [None] * len(specs)
+    if lanes:
+        positions = [k for k, _ in lanes]
+        done = run_lanes([lane for _, lane in lanes], reducer(positions), max_batch=max_batch,
+                         memory_budget=memory_budget, devices=devices, progress=progress)
+        for k, outcome in zip(positions, done):
+            outcomes[k] = outcome
+    if clusters:
+        positions = [k for k, _ in clusters]
+        done = run_clusters([c for _, c in clusters], reducer(positions), progress=progress,
+                            names=[specs[k].index for k in positions])
+        for k, outcome in zip(positions, done):
+            outcomes[k] = outcome
     rows = tuple(make_row(spec.index, spec.values, code, metrics)
                  for spec, (code, metrics) in zip(specs, outcomes))
     return SweepTable(axes=grid.axes, rows=rows)

@@ -60,6 +60,11 @@ def settings_schema() -> Mapping[str, Setting]:
     return schema
 
 
+def run_default(key: str) -> Any:
+    """The `run` parser's default of a setting (e.g. routing-policy → round-robin)."""
+    return _run_parser().get_default(settings_schema()[key].dest)
+
+
 def canonical_key(key: Any, where: str) -> str:
     """The canonical setting key of a YAML key (underscores accepted for dashes)."""
     if not isinstance(key, str):
