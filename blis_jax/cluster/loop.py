@@ -43,6 +43,7 @@ from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.state import EngineState, RequestArrays, init_state
 
 PREFIX_SCORERS = ("precise-prefix-cache", "no-hit-lru")  # read the instances' prefix caches
+LIVE_SCORERS = ("load-balance", "active-requests")  # read the always-current in-flight counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,17 @@ class ClusterDims:
     @property
     def needs_block_keys(self) -> bool:
         return "prefix-affinity" in self.all_scorers
+
+    @property
+    def routes_ahead(self) -> bool:
+        """Routing reads only router-owned state and the stale snapshots, so every arrival
+        before the next snapshot or cache refresh can be routed before the instances have run
+        up to it (the decisions are the same: nothing they read changes in between)."""
+        if self.pd:
+            return False
+        if self.routing_policy == "round-robin":
+            return True
+        return self.routing_policy == "weighted" and not any(s in LIVE_SCORERS for s in self.scorers)
 
 
 class ClusterParams(eqx.Module):
@@ -397,6 +409,34 @@ def _next_prefill_time(cs: ClusterState, cparams: ClusterParams, params, req, ou
     return jnp.where(t <= params.horizon_us, t, INF_TIME)
 
 
+def _refresh_due(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams):
+    """Earliest routing time at which a decision would re-read instance state (INF_TIME for
+    round-robin, which reads none)."""
+    if cd.routing_policy == "round-robin":
+        return jnp.asarray(INF_TIME, jnp.int64)
+    snap = cs.snapshot
+    due = jnp.min(jnp.where(cparams.active, snap.last_refresh + snap.interval_us, INF_TIME))
+    if cd.reads_prefix_cache:
+        due = jnp.minimum(due, cs.cache_signal.last_us + cs.cache_signal.delay_us)
+    return due
+
+
+def _route_ahead(cs: ClusterState, cd: ClusterDims, params, cparams: ClusterParams, req, model, on):
+    """Route every further arrival before the next refresh (see `ClusterDims.routes_ahead`)."""
+    due = _refresh_due(cs, cd, cparams)
+
+    def more(c, ops):
+        params, cparams, req, _, due, on = ops
+        _, _, t_route = next_arrival(c, cparams, params, req)
+        return on & (t_route < due) & (t_route < INF_TIME)
+
+    def body(c, ops, active):
+        params, cparams, req, model, _, _ = ops
+        return _arrival_event(c, cd, params, cparams, req, model, active)
+
+    return masked_while(more, body, cs, (params, cparams, req, model, due, on))
+
+
 def overflowed(cs: ClusterState):
     return jnp.any((cs.instances.result & results.GROWABLE) != 0) | (cs.result != 0)
 
@@ -440,6 +480,8 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         _, _, t_route = next_arrival(c, cparams, params, req)
         is_arrival = t_route <= t_cluster  # arrivals (priority 0-2) before transfer completions (6)
         c = _arrival_event(c, cd, params, cparams, req, model, go & is_arrival)
+        if cd.routes_ahead:
+            c = _route_ahead(c, cd, params, cparams, req, model, go & is_arrival)
         if cd.pd:
             c = _transfer_done(c, cd, go & ~is_arrival)
         return c
