@@ -14,7 +14,6 @@ import json
 from unittest import mock
 
 import numpy as np
-import pytest
 from engine_helpers import dims_floor, latency_model, params_from, random_scenario
 
 from blis_jax.config import load_gpu, load_model
@@ -214,12 +213,3 @@ def test_spec_sessions_expand_into_linked_rounds():
     assert set(links.timeout_us[follow]) == {FOLLOW_UP_TIMEOUT_US}
     assert set(requests.input_len) == {606} and set(requests.output_len) == {180}
 
-
-def test_concurrency_users_are_refused_with_the_key():
-    spec = {"version": "2", "seed": 1, "num_requests": 20,
-            "clients": [{"id": "u", "concurrency": 4, "think_time_us": 1000,
-                         "input_distribution": {"type": "constant", "params": {"value": 10}},
-                         "output_distribution": {"type": "constant", "params": {"value": 5}}}]}
-    from blis_jax.errors import ConfigError
-    with pytest.raises(ConfigError, match=r"concurrency"):
-        closed_loop_requests(generate_workload(spec, sessions="first_round"))

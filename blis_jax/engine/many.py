@@ -116,6 +116,7 @@ def _run_group(lanes, block_size: int, events_per_chunk: int, progress):
         if links is None:
             outputs.append((requests, sim_out))
         else:
-            rows, settled = settle_sessions(requests, links, np.asarray(lane_state.arrival)[: len(requests)])
+            rows, settled = settle_sessions(requests, links, np.asarray(lane_state.arrival)[: len(requests)],
+                                            np.asarray(lane_state.pool_user)[: len(requests)])
             outputs.append((settled, sim_out.take(rows)))
     return outputs

@@ -27,7 +27,7 @@ from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.state import EngineState, RequestArrays, init_state
 from blis_jax.errors import ConfigError
 from blis_jax.workload.requests import RequestSet
-from blis_jax.workload.sessions import SessionLinks, settle_sessions
+from blis_jax.workload.sessions import FOLLOW_UP_ARRIVAL, SessionLinks, settle_sessions
 
 
 def wait_ranks(requests: RequestSet, scheduler: str) -> np.ndarray:
@@ -73,6 +73,7 @@ def request_arrays(requests: RequestSet, dims: EngineDims, sessions: SessionLink
         think_time=pad(links.think_time_us, 0, np.int64),
         follow_timeout=pad(links.timeout_us, 0, np.int64),
         session_slot=pad(links.session_slot, -1, np.int32),
+        pool_base=pad(links.pool_rows(), -1, np.int32),
         valid=pad(np.ones(n, bool), False, bool),
     )
 
@@ -187,7 +188,8 @@ def simulate_sessions(
                           "order the queue by arrival time, which a follow-up round only gets during the run)")
     state, dims, code, itl_reader = _drive(requests, sessions, params, model, **kwargs)
     out = to_output(state, dims, params, requests, code, itl_reader)
-    rows, settled = settle_sessions(requests, sessions, np.asarray(jax.device_get(state.arrival))[: len(requests)])
+    arrival, pool_user = (np.asarray(a)[: len(requests)] for a in jax.device_get((state.arrival, state.pool_user)))
+    rows, settled = settle_sessions(requests, sessions, arrival, pool_user)
     return settled, out.take(rows)
 
 
@@ -206,8 +208,9 @@ def simulate_traced(
     state, dims, code, itl_reader = _drive(requests, links, params, model, events_per_chunk=events_per_chunk,
                                            trace_steps=True, **kwargs)
     out = to_output(state, dims, params, requests, code, itl_reader)
-    host = jax.device_get((state.arrival, state.out_first_step))
-    rows, settled = settle_sessions(requests, links, np.asarray(host[0])[: len(requests)])
+    host = jax.device_get((state.arrival, state.out_first_step, state.pool_user))
+    rows, settled = settle_sessions(requests, links, np.asarray(host[0])[: len(requests)],
+                                    np.asarray(host[2])[: len(requests)])
     start, duration, basis = itl_reader.step_trace()
     return settled, out.take(rows), (start, duration, basis, np.asarray(host[1])[: len(requests)][rows])
 
@@ -306,7 +309,11 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
     finished_ok = (status == st.COMPLETED) | (status == st.LENGTH_CAPPED)
     itl_step_us, itl_runs = (itl_reader or ItlLogReader()).finish(s, n, finished_ok)
     horizon = int(params.horizon_us)
-    arrived = requests.arrival_us[requests.arrival_us <= horizon]
+    # a closed-loop follow-up's arrival is the one the loop gave it (-1: never generated)
+    arrival = requests.arrival_us
+    if n and arrival.max() == FOLLOW_UP_ARRIVAL:
+        arrival = np.where(arrival == FOLLOW_UP_ARRIVAL, np.asarray(s.arrival[:n]), arrival)
+    arrived = arrival[arrival <= horizon]
     sim_end = max(int(s.sim_end), int(arrived.max()) if len(arrived) and clock_sees_arrivals else 0)
     return SimOutput(
         status=output_status.astype(np.int8),

@@ -11,8 +11,11 @@ from typing import TextIO
 from blis_jax.config.coefficients import DEFAULT_FIT, load_coefficients
 from blis_jax.errors import ConfigError
 
+LOAD_GENERATORS = ("blis", "open-loop")   # = fit.LOAD_GENERATORS (not imported: keeps the CLI free of jax)
+
 LOG_LEVELS = ("trace", "debug", "info", "warn", "warning", "error", "fatal", "panic")
-DEFAULTS = {"outer": 4, "steps": 1000, "lr": 0.05, "trust": 0.5, "patience": 2, "schedule_model": "local"}
+DEFAULTS = {"outer": 4, "steps": 1000, "lr": 0.05, "trust": 0.5, "patience": 2, "schedule_model": "local",
+            "load_generator": "blis"}
 
 
 def add_parser(sub) -> None:
@@ -31,6 +34,11 @@ def add_parser(sub) -> None:
                         "fits/trained-physics-iter29.yaml)")
     g.add_argument("--experiments", default=None, metavar="ID,...",
                    help="fit on these experiment ids only (default: all in --observed)")
+    g.add_argument("--load-generator", choices=LOAD_GENERATORS, default=DEFAULTS["load_generator"],
+                   help="how the experiments' inference-perf multi-turn chat is simulated: blis (default, BLIS's "
+                        "closed-loop sessions: a user's next round arrives a think time after its previous one "
+                        "completes) or open-loop (inference-perf's generator: Poisson arrivals at the stage rate "
+                        "whatever the completions; inference_perf.multi_turn_mode: open-loop)")
     g = p.add_argument_group("what to fit")
     g.add_argument("--params", default=None, metavar="NAME,...",
                    help="coefficients to fit: alpha0..alpha2, beta0..beta10 (slice index of the beta list) or "
@@ -76,6 +84,7 @@ def _command_line(args) -> str:
     for flag, value in (("--experiments", args.experiments), ("--params", args.params), ("--bounds", args.bounds)):
         if value is not None:
             parts += [flag, value]
+    parts += ["--load-generator", args.load_generator]
     parts += ["--outer", str(args.outer), "--steps", str(args.steps), "--lr", repr(args.lr), "--trust",
               repr(args.trust), "--patience", str(args.patience), "--schedule-model", args.schedule_model]
     for flag, value in (("--cv", args.cv), ("--output", args.output), ("--name", args.name),
@@ -137,9 +146,9 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
             stderr.flush()
 
     say(f"{len(selected)} experiment(s), fitting {', '.join(F.coefficient_label(k) for k in free)} "
-        f"from {start_path}")
+        f"from {start_path}, load generator {args.load_generator}")
     with tempfile.TemporaryDirectory(prefix="blis-jax-fit-") as work:
-        exps = F.prepare(selected, theta0, num_betas, work)
+        exps = F.prepare(selected, theta0, num_betas, work, load_generator=args.load_generator)
     sim = F.Simulator(progress=say, keep=theta0)
     result = F.fit(exps, theta0, settings, sim, progress=say)
     cv = F.cross_validate(exps, theta0, settings, args.cv, sim, progress=say) if args.cv else None
@@ -154,7 +163,8 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
         observed_sha256=observed.sha256, start_path=str(start_path), start_name=coeffs.provenance.get("name"),
         free=free, lo=lo, hi=hi, command=command, version=__version__, cv=cv,
         settings={"outer": args.outer, "steps": args.steps, "lr": args.lr, "trust": args.trust,
-                  "patience": args.patience, "schedule_model": args.schedule_model})
+                  "patience": args.patience, "schedule_model": args.schedule_model,
+                  "load_generator": args.load_generator})
     if args.output:
         R.write_coefficients(args.output, doc)
         load_coefficients(args.output)      # what we wrote must load

@@ -51,6 +51,7 @@ from blis_jax.fit.observed import ObservedExperiment, loss_terms
 NUM_ALPHA, NUM_BETA = 3, 11
 NUM_COEFFS = NUM_ALPHA + NUM_BETA
 BLIS_BETA_NAMES = ("b1a", "b2a", "b3", "b4", "b5", "b6", "b7", "b8", "b1b", "b2b", "bEP")
+LOAD_GENERATORS = ("blis", "open-loop")   # --load-generator: how inference-perf multi-turn chat is simulated
 MIN_FIT_BETAS = 10   # step time is linear in β only in the split modes (10 or 11 betas)
 RELATIVE_CHECK = 1e-6  # affine model vs the fixed-schedule latencies at the proposal (relative)
 
@@ -189,20 +190,38 @@ def _fmt(values) -> str:
     return ",".join(repr(float(v)) for v in values)
 
 
+def observed_workload(workload: dict, load_generator: str = "blis") -> dict:
+    """The workload spec to simulate for an observed experiment under `load_generator`.
+
+    "blis": as recorded (BLIS's encoding: inference-perf multi-turn chat as closed-loop sessions).
+    "open-loop": inference-perf multi-turn chat with `inference_perf.multi_turn_mode: open-loop`
+    (Poisson arrivals at the stage rate, as inference-perf's generator sent them); workloads without
+    multi-turn inference-perf chat are open-loop already and stay as recorded."""
+    if load_generator not in LOAD_GENERATORS:
+        raise ConfigError(f"--load-generator {load_generator!r}: use one of {', '.join(LOAD_GENERATORS)}")
+    ip = workload.get("inference_perf")
+    if load_generator == "blis" or not isinstance(ip, dict) or \
+            not (ip.get("shared_prefix") or {}).get("enable_multi_turn_chat"):
+        return workload
+    return {**workload, "inference_perf": {**ip, "multi_turn_mode": "open-loop"}}
+
+
 def prepare(experiments: Sequence[ObservedExperiment], theta: np.ndarray, num_betas: int,
-            workdir: str | Path) -> list[Prepared]:
-    """Resolve each experiment (workload spec written to `workdir`) with the start coefficients."""
+            workdir: str | Path, load_generator: str = "blis") -> list[Prepared]:
+    """Resolve each experiment (workload spec written to `workdir`) with the start coefficients;
+    `load_generator` as in `observed_workload`."""
     from blis_jax import cli, golden
 
     alpha, beta = split(theta, num_betas)
     out = []
     for i, o in enumerate(experiments):
+        workload = observed_workload(o.workload, load_generator)
         gexp = golden.GoldenExperiment(id=o.id, latency_model="trained-physics", model=o.model, hardware=o.hardware,
                                        tp=o.tp, total_kv_blocks=o.total_kv_blocks, max_num_seqs=o.max_num_seqs,
-                                       max_num_batched_tokens=o.max_num_batched_tokens, workload=o.workload,
+                                       max_num_batched_tokens=o.max_num_batched_tokens, workload=workload,
                                        expected={})
         spec = Path(workdir) / f"observed-{i}.yaml"
-        spec.write_text(yaml.safe_dump(o.workload, sort_keys=False))
+        spec.write_text(yaml.safe_dump(workload, sort_keys=False))
         flags = golden.run_flags(gexp, spec) + ["--alpha-coeffs", _fmt(alpha), "--beta-coeffs", _fmt(beta)]
         try:
             args = cli.build_parser().parse_args(flags)

@@ -37,7 +37,9 @@ makes round r's input prefix + Σ_{r'<r}(input + output) + new input. Closed-loo
 (the default for multi-turn, and `concurrency` users) depend on completion times, which only
 the engine knows: `sessions="error"` (default) raises a ConfigError naming the key;
 `sessions="first_round"` returns the round-0 requests plus one `SessionPlan` per session,
-the data the engine needs to inject rounds 1.. later (not implemented yet).
+the data the engine needs to inject rounds 1.. later (`workload.sessions.closed_loop_requests`).
+A concurrency client's N users start at u·think/N (u = 0..N−1), one request each; the rest is
+generated in the loop.
 """
 
 from __future__ import annotations
@@ -59,7 +61,11 @@ from blis_jax.workload.arrivals import (
     normalized_arrivals_us,
 )
 from blis_jax.workload.distribution import MAX_GENERATED_REQUESTS, workload_key
-from blis_jax.workload.inference_perf import expand_inference_perf
+from blis_jax.workload.inference_perf import (
+    expand_inference_perf,
+    is_open_loop_multi_turn,
+    label_open_loop_users,
+)
 from blis_jax.workload.lengths import LengthDistribution, make_length
 from blis_jax.workload.requests import RequestSet, make_request_set
 from blis_jax.workload.spec import (
@@ -83,7 +89,7 @@ CLIENT_STREAM = 0x636C6E74          # ASCII "clnt"
 ARRIVAL, INPUT, OUTPUT, REASON, TEXT = 0, 1, 2, 3, 4
 MODALITIES = ("image", "audio", "video")
 _MODALITY_STREAMS = {"image": (5, 6), "audio": (7, 8), "video": (9, 10)}   # (count, tokens)
-WINDOW, ROUND = 64, 65
+WINDOW, ROUND, POOL = 64, 65, 66
 MAX_ITEMS_PER_REQUEST = 4096
 _MAX_IAT_US = 2**46                 # keeps int64 cumulative sums of a 64k chunk from overflowing
 _MAX_CHUNK = 1 << 16
@@ -98,11 +104,12 @@ DRAIN_SEGMENTS = 10
 class SessionPlan:
     """A closed-loop session whose round 0 is in the request set.
 
-    The engine (not implemented yet) injects round r+1 at round r's completion + think time,
-    with lengths from `round_key(r + 1)` at index `start_index` (same sub-streams as round 0),
-    the input growing by the previous round's input and *generated* output when
-    `context_growth == "accumulate"`, up to `max_rounds` rounds (0 = unlimited: concurrency
-    users, bounded by the global follow-up budget num_requests − initial requests).
+    The engine injects round r+1 at round r's completion + think time, with lengths from
+    `round_key(r + 1)` at index `start_index` (same sub-streams as round 0), the input growing
+    by the previous round's input and output when `context_growth == "accumulate"`, up to
+    `max_rounds` rounds (0 = unlimited: concurrency users, bounded by the global follow-up
+    budget num_requests − initial requests; their follow-ups' lengths come from a pool per
+    client, see workload/sessions.py).
     """
 
     session_id: str
@@ -164,6 +171,7 @@ class GeneratedWorkload:
     sessions: tuple[SessionPlan, ...]
     clients: tuple[ResolvedClient, ...]
     seed: int
+    num_requests: int = 0          # the num_requests used (0 = none): bounds concurrency users' follow-ups
 
 
 # --------------------------------------------------------------------------- public API
@@ -209,7 +217,8 @@ def generate_workload(spec: WorkloadSpec | Mapping | str | Path, seed: int | Non
         if unbounded:
             raise ConfigError(f"num_requests: 0 and no horizon, but {unbounded[0].path} never stops "
                               "(always on); set num_requests or horizon")
-    return _generate(clients, seed, n, horizon)
+    generated = _generate(clients, seed, n, horizon)
+    return label_open_loop_users(generated) if is_open_loop_multi_turn(spec) else generated
 
 
 def client_key(seed: int, index: int) -> jax.Array:
@@ -226,7 +235,8 @@ def _pick_int(name: str, override, default) -> int:
 
 def _check_sessions_supported(spec: WorkloadSpec, sessions: str) -> None:
     ip = spec.inference_perf
-    if sessions == "error" and ip is not None and ip.shared_prefix.enable_multi_turn_chat:
+    if sessions == "error" and ip is not None and ip.shared_prefix.enable_multi_turn_chat \
+            and not is_open_loop_multi_turn(spec):
         raise ConfigError("inference_perf.shared_prefix.enable_multi_turn_chat: multi-turn chat runs closed-loop "
                           "sessions (each round arrives a think time after the previous one completes), which "
                           "need engine support that is not implemented yet; use enable_multi_turn_chat: false, "
@@ -237,8 +247,9 @@ def _reject_closed_loop(rc: ResolvedClient) -> None:
     c = rc.spec
     if c.concurrency is not None:
         raise ConfigError(f"{rc.path}.concurrency: closed-loop users (next request a think time after the "
-                          "previous completes) need engine support that is not implemented yet; use a "
-                          "rate_fraction client, or generate_workload(..., sessions='first_round')")
+                          "previous completes) exist only while the engine runs; use `blis-jax run "
+                          "--workload-spec`, or generate_workload(..., sessions='first_round') and "
+                          "workload.sessions.closed_loop_requests")
     if c.is_closed_loop:
         raise ConfigError(f"{rc.path}.reasoning.multi_turn: closed-loop sessions (the default for multi-turn: each "
                           "round arrives a think time after the previous one completes) need engine support that "
@@ -716,4 +727,4 @@ def _assemble(clients: tuple[ResolvedClient, ...], keys: list[jax.Array], per_cl
             timeout_us=rc.timeout_us or SESSION_DEFAULT_TIMEOUT_US, prefix_len=rc.prefix_len,
             start_index=p["start_index"], base_key=p["base_key"],
             input_dist=p["input_dist"], output_dist=p["output_dist"]))
-    return GeneratedWorkload(requests=requests, sessions=tuple(plans), clients=clients, seed=seed)
+    return GeneratedWorkload(requests=requests, sessions=tuple(plans), clients=clients, seed=seed, num_requests=n)

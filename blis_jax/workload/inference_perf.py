@@ -24,6 +24,19 @@ v2 spec with explicit clients — P·U per stage (P system prompts × U users), 
   reason_ratio 0.01: its reason-ratio sampler is a constant-0 length sampler, floored at 1 %.
 
 `num_requests` defaults to Σ ⌊rate·duration⌋ when the spec does not set it.
+
+**`multi_turn_mode`** (blis-jax extension, `inference_perf.multi_turn_mode`, multi-turn chat
+only): `closed-loop` (default) is BLIS's encoding above. `open-loop` is inference-perf's own load
+generator, which sends at the stage rate whatever the completions: per stage and user a client
+with Poisson arrivals at exactly stage_rate/(P·U) inside the stage window — the multi-stage
+single-turn clients, for one stage as well — input = system prompt (prefix group `prompt-p`) +
+question, output = output_len, no context growth. Every request stays labelled with its user:
+after generation `label_open_loop_users` gives each client's requests one session id
+(`session-<client>-0`, as a closed-loop session of that client would have) and round indices
+0, 1, 2, … in arrival order; nothing in the engine reads these labels. Counts are Poisson
+(≈ rate·duration per stage); `num_requests` defaults to 0 (the stage windows bound generation),
+and a `num_requests` the spec sets still caps the merged list. `convert inference-perf` writes
+the same clients, arrivals and lengths, but the plain v2 schema cannot carry the user labels.
 """
 
 from __future__ import annotations
@@ -32,7 +45,10 @@ import dataclasses
 import math
 from types import MappingProxyType
 
+import numpy as np
+
 from blis_jax.workload.spec import (
+    MULTI_TURN_MODES,
     ArrivalSpec,
     ClientSpec,
     DistSpec,
@@ -45,6 +61,7 @@ from blis_jax.workload.spec import (
 )
 
 INFERENCE_PERF_SLO_CLASS = "standard"
+CLOSED_LOOP, OPEN_LOOP = MULTI_TURN_MODES
 # BLIS's inference-perf reason-ratio sampler: constant 0, floored at 1 (percent) → 0.01.
 _REASON_RATIO = DistSpec("constant", MappingProxyType({"value": 0.0}))
 
@@ -70,6 +87,7 @@ def expand_inference_perf(spec: WorkloadSpec) -> WorkloadSpec:
     n_clients = prompts * users
     total_rate = sum(s.rate for s in ip.stages)
     multi_stage = len(ip.stages) > 1
+    open_loop = sp.enable_multi_turn_chat and ip.multi_turn_mode == OPEN_LOOP
     constant = {"input": DistSpec("constant", MappingProxyType({"value": float(sp.question_len)})),
                 "output": DistSpec("constant", MappingProxyType({"value": float(sp.output_len)}))}
     clients: list[ClientSpec] = []
@@ -90,7 +108,7 @@ def expand_inference_perf(spec: WorkloadSpec) -> WorkloadSpec:
                 input_distribution=constant["input"], output_distribution=constant["output"],
                 prefix_group=f"prompt-{p}" if sp.system_prompt_len > 0 else "",
                 prefix_length=sp.system_prompt_len if sp.system_prompt_len > 0 else None)
-            if multi_stage:
+            if multi_stage or open_loop:
                 # Exponential IATs with an explicit scale: Poisson at exactly stage_rate/(P·U).
                 mean_iat_us = n_clients / stage.rate * 1e6
                 client = dataclasses.replace(
@@ -98,7 +116,9 @@ def expand_inference_perf(spec: WorkloadSpec) -> WorkloadSpec:
                     lifecycle=LifecycleSpec((WindowSpec(*window),)))
             else:
                 client = dataclasses.replace(client, arrival=ArrivalSpec("poisson"))
-            if sp.enable_multi_turn_chat:
+            if open_loop:
+                pass    # Poisson at stage_rate/(P·U) in the window; users labelled after generation
+            elif sp.enable_multi_turn_chat:
                 if shares[i] == 0:
                     continue
                 think_us = math.floor(n_clients / stage.rate * 1e6)
@@ -114,5 +134,30 @@ def expand_inference_perf(spec: WorkloadSpec) -> WorkloadSpec:
         offset_us += duration_us
     expanded = dataclasses.replace(
         spec, inference_perf=None, aggregate_rate=total_rate, clients=tuple(clients),
-        num_requests=spec.num_requests or sum(counts))
+        num_requests=spec.num_requests or (0 if open_loop else sum(counts)))
     return validate_spec(expanded)
+
+
+def is_open_loop_multi_turn(spec: WorkloadSpec) -> bool:
+    """Whether `spec` is an inference-perf multi-turn spec in `open-loop` mode."""
+    ip = spec.inference_perf
+    return ip is not None and ip.shared_prefix.enable_multi_turn_chat and ip.multi_turn_mode == OPEN_LOOP
+
+
+def label_open_loop_users(generated):
+    """`generated` (a `generate.GeneratedWorkload` of an open-loop multi-turn spec) with each
+    client's (user's) requests labelled as one session: session id `session-<client index>-0`,
+    round index 0, 1, 2, … in arrival order. Arrivals, lengths and order are unchanged."""
+    req = generated.requests
+    index_of = {rc.spec.id: rc.index for rc in generated.clients}
+    users, owner = np.unique(req.client_id, return_inverse=True)
+    session_of_user = np.array([f"session-{index_of[str(u)]}-0" for u in users] or [""], dtype=object)
+    # Rows are in arrival order (stable), so a row's rank among its user's rows is its round.
+    order = np.argsort(owner, kind="stable")
+    sorted_owner = owner[order]
+    first = np.searchsorted(sorted_owner, sorted_owner, side="left")
+    rounds = np.empty(len(req), dtype=np.int64)
+    rounds[order] = np.arange(len(req), dtype=np.int64) - first
+    labelled = dataclasses.replace(req, session_id=session_of_user[owner].astype(str) if len(req) else req.session_id,
+                                   round_index=rounds)
+    return dataclasses.replace(generated, requests=labelled)

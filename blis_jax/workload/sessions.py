@@ -13,7 +13,19 @@ metrics and outputs see exactly the requests that existed.
 Context growth `accumulate` appends each round's input and output to the next prompt using the
 drawn output lengths; a length-capped round (its output truncated at max_model_len) would make
 the next prompt shorter in BLIS, which the engine reports instead of simulating silently.
-Concurrency users (unlimited rounds under a global follow-up budget) are not supported yet.
+
+Concurrency users (`concurrency: N`, `think_time_us`) are sessions with unlimited rounds: each
+completion brings the user's next request a think time later, until the global follow-up
+budget num_requests − (initial requests) is spent (so at most num_requests requests in all),
+the horizon interrupts the user, or a request of the user times out or is dropped (that ends
+the user, as it cancels a multi-turn session: BLIS runs both through one session manager).
+Which user takes the k-th follow-up depends on completion order, so each concurrency client
+gets a pool of `budget` rows whose lengths are drawn now, iid from the client's distributions
+(key `fold(client key, POOL)`, index k); the loop gives the k-th follow-up generated to pool
+row k of the completing user's client and records the user (engine/sessions.py). Lengths are
+thus iid per request in global follow-up order rather than drawn per user (BLIS's per-user Go
+streams cannot be reproduced anyway). `settle_sessions` maps the pool rows that were used back
+to their users (session id, round index); unused rows (budget not spent) never existed.
 """
 
 from __future__ import annotations
@@ -37,13 +49,19 @@ class SessionLinks:
     next_round: np.ndarray      # int64 row of the next round, -1 none
     think_time_us: np.ndarray   # int64 completion → next round's arrival
     timeout_us: np.ndarray      # int64 follow-up deadline relative to its arrival, 0 none
-    session_slot: np.ndarray    # int64 session index, -1 none
+    session_slot: np.ndarray    # int64 session index, -1 none (and for pool rows)
     num_sessions: int
+    # concurrency users and their follow-up pool rows: first row of the client's pool, -1 none
+    # (None: no concurrency users)
+    pool_base: np.ndarray | None = None
 
     @staticmethod
     def none(n: int) -> SessionLinks:
         return SessionLinks(np.zeros(n, bool), np.full(n, -1, np.int64), np.zeros(n, np.int64),
                             np.zeros(n, np.int64), np.full(n, -1, np.int64), 0)
+
+    def pool_rows(self) -> np.ndarray:
+        return self.pool_base if self.pool_base is not None else np.full(len(self.follow_up), -1, np.int64)
 
 
 def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
@@ -52,11 +70,13 @@ def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
 
     base = workload.requests
     plans = workload.sessions
-    for p in plans:
-        if p.max_rounds == 0:
-            rc = workload.clients[p.client_index]
-            raise ConfigError(f"{rc.path}.concurrency: closed-loop concurrency users (unlimited rounds under a "
-                              "follow-up budget) are not supported yet; use a multi-turn client with max_rounds")
+    users = [p for p in plans if p.max_rounds == 0]
+    if users:
+        if len(users) != len(plans):
+            rc = workload.clients[users[0].client_index]
+            raise ConfigError(f"{rc.path}.concurrency: concurrency clients cannot be mixed with closed-loop "
+                              "multi-turn sessions; split them into two specs")
+        return _concurrency_requests(workload)
     n0 = len(base)
     rows: dict[str, list] = {k: [] for k in ("input", "output", "reason", "src", "round")}
     next_round = np.full(n0, -1, np.int64)
@@ -133,12 +153,117 @@ def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
     return requests, links
 
 
-def settle_sessions(requests: RequestSet, links: SessionLinks, arrival_us: np.ndarray):
+def _concurrency_requests(workload) -> tuple[RequestSet, SessionLinks]:
+    """Concurrency users: their first requests (static) plus a pool of follow-up rows per client."""
+    from blis_jax.workload import generate as g
+
+    base, plans = workload.requests, workload.sessions
+    n0 = len(base)
+    if workload.num_requests <= 0:
+        rc = workload.clients[plans[0].client_index]
+        raise ConfigError(f"num_requests: concurrency users ({rc.path}.concurrency) run until the follow-up budget "
+                          "num_requests − initial requests is spent; set num_requests > 0")
+    budget = max(0, workload.num_requests - n0)
+    slot, think = np.full(n0, -1, np.int64), np.zeros(n0, np.int64)
+    pool_base = np.full(n0, -1, np.int64)
+    by_client: dict[int, list[int]] = {}
+    for s, p in enumerate(plans):
+        slot[p.request_id], think[p.request_id] = s, p.think_time_us
+        by_client.setdefault(p.client_index, []).append(s)
+    if budget * len(by_client) > g.MAX_GENERATED_REQUESTS:
+        raise ConfigError(f"num_requests: {budget} follow-ups for each of {len(by_client)} concurrency clients "
+                          f"exceed the limit of {g.MAX_GENERATED_REQUESTS} rows; lower num_requests")
+    if budget == 0:
+        return base, dataclasses.replace(SessionLinks.none(n0), session_slot=slot, think_time_us=think,
+                                         num_sessions=len(plans))
+    src, inputs, outputs, reasons, links_think, links_timeout, links_base = [], [], [], [], [], [], []
+    parts: dict[str, list] = {}
+    for k, (ci, slots) in enumerate(sorted(by_client.items())):
+        p, rc = plans[slots[0]], workload.clients[ci]
+        first = n0 + k * budget
+        pool_base[[plans[s].request_id for s in slots]] = first
+        idx = np.arange(budget, dtype=np.int64)
+        starts = g._Starts(p.base_key, np.zeros(budget, np.int64), idx, p.input_dist, p.output_dist)
+        fresh, output, reason, drawn = g._sample_round(rc, starts, g.fold(p.base_key, g.POOL), idx)
+        src.append(np.full(budget, p.request_id, np.int64))
+        inputs.append(p.prefix_len + fresh)
+        outputs.append(output)
+        reasons.append(reason)
+        for name, values in drawn.items():
+            parts.setdefault(name, []).append(values)
+        links_think.append(np.full(budget, p.think_time_us, np.int64))
+        links_timeout.append(np.full(budget, p.timeout_us, np.int64))
+        links_base.append(np.full(budget, first, np.int64))
+    src = np.concatenate(src)
+    m = len(src)
+    columns = {}
+    for name, values in base.trace_columns.items():
+        if name == "reason_ratio":
+            pool = np.array([g._format_float(x) for x in np.concatenate(reasons)], dtype=object).astype(str)
+        elif name.endswith("_tokens") and name.removesuffix("_tokens") in parts:
+            pool = np.concatenate(parts[name.removesuffix("_tokens")]).astype(str)
+        else:
+            pool = values[src]
+        columns[name] = np.concatenate([values, pool])
+    requests = RequestSet(
+        request_id=np.arange(n0 + m, dtype=np.int64),
+        arrival_us=np.concatenate([base.arrival_us, np.full(m, FOLLOW_UP_ARRIVAL, np.int64)]),
+        input_len=np.concatenate([base.input_len, np.concatenate(inputs)]),
+        output_len=np.concatenate([base.output_len, np.concatenate(outputs)]),
+        deadline_us=np.concatenate([base.deadline_us, np.zeros(m, np.int64)]),
+        prefix_group=np.concatenate([base.prefix_group, base.prefix_group[src]]),
+        prefix_len=np.concatenate([base.prefix_len, base.prefix_len[src]]),
+        priority=np.concatenate([base.priority, base.priority[src]]),
+        slo_class=np.concatenate([base.slo_class, base.slo_class[src]]),
+        tenant_id=np.concatenate([base.tenant_id, base.tenant_id[src]]),
+        client_id=np.concatenate([base.client_id, base.client_id[src]]),
+        # the user and round of a pool row are known after the run (settle_sessions)
+        session_id=np.concatenate([base.session_id, base.session_id[src]]),
+        round_index=np.concatenate([base.round_index, np.ones(m, np.int64)]),
+        model=np.concatenate([base.model, base.model[src]]),
+        prefix_group_names=base.prefix_group_names,
+        trace_columns=columns,
+    )
+    links = SessionLinks(
+        follow_up=np.concatenate([np.zeros(n0, bool), np.ones(m, bool)]),
+        next_round=np.full(n0 + m, -1, np.int64),
+        think_time_us=np.concatenate([think, *links_think]),
+        timeout_us=np.concatenate([np.zeros(n0, np.int64), *links_timeout]),
+        session_slot=np.concatenate([slot, np.full(m, -1, np.int64)]),
+        num_sessions=len(plans),
+        pool_base=np.concatenate([pool_base, *links_base]),
+    )
+    return requests, links
+
+
+def settle_sessions(requests: RequestSet, links: SessionLinks, arrival_us: np.ndarray,
+                    pool_user: np.ndarray | None = None):
     """(rows kept, final RequestSet) after a run: generated rounds get their arrival and
     deadline; rounds never generated are dropped; rows re-sorted by arrival (static rows keep
-    their ids; follow-ups are numbered after them in arrival order)."""
+    their ids; follow-ups are numbered after them in arrival order). `pool_user`: the session
+    slot the engine gave each concurrency pool row it generated (EngineState.pool_user); such a
+    row takes its user's session id and the next round index."""
     arrival_us = np.asarray(arrival_us, np.int64)
     keep = ~links.follow_up | (arrival_us >= 0)
+    session_id, round_index = requests.session_id, requests.round_index
+    pooled = np.flatnonzero(keep & links.follow_up & (links.pool_rows() >= 0))
+    if len(pooled):
+        if pool_user is None:
+            raise ValueError("settle_sessions: concurrency pool rows were generated; pass the engine's pool_user")
+        user = np.asarray(pool_user, np.int64)[pooled]
+        if (user < 0).any():
+            raise ValueError("settle_sessions: a generated pool row has no user")
+        first = np.full(links.num_sessions, -1, np.int64)
+        static = np.flatnonzero(~links.follow_up & (links.session_slot >= 0))
+        first[links.session_slot[static]] = static
+        # a user's rounds in generation order: the pool rows of a client are taken in row order
+        order = np.lexsort((pooled, user))
+        grouped = user[order]
+        starts = np.r_[0, np.flatnonzero(np.diff(grouped)) + 1]
+        rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+        session_id, round_index = session_id.copy(), round_index.copy()
+        session_id[pooled[order]] = requests.session_id[first[grouped]]
+        round_index[pooled[order]] = requests.round_index[first[grouped]] + 1 + rank
     rows = np.flatnonzero(keep)
     rows = rows[np.argsort(arrival_us[rows], kind="stable")]
     n_static = int((~links.follow_up).sum())
@@ -152,7 +277,7 @@ def settle_sessions(requests: RequestSet, links: SessionLinks, arrival_us: np.nd
         prefix_group=np.array([requests.prefix_group_names[g] if g >= 0 else "" for g in requests.prefix_group[rows]],
                               dtype=object).astype(str) if len(rows) else np.zeros(0, "<U1"),
         prefix_len=requests.prefix_len[rows], slo_class=requests.slo_class[rows], tenant_id=requests.tenant_id[rows],
-        client_id=requests.client_id[rows], session_id=requests.session_id[rows],
-        round_index=requests.round_index[rows], model=requests.model[rows],
+        client_id=requests.client_id[rows], session_id=session_id[rows],
+        round_index=round_index[rows], model=requests.model[rows],
         trace_columns={k: v[rows] for k, v in requests.trace_columns.items()})
     return rows, settled

@@ -34,6 +34,8 @@ V1_SLO_UPGRADE: Mapping[str, str] = MappingProxyType({"realtime": "critical", "i
 CATEGORIES = ("language", "multimodal", "reasoning", "")
 CONTEXT_GROWTH = ("accumulate", "")
 PREFIX_SHARING = ("shared", "per_member")
+# inference_perf.multi_turn_mode (blis-jax extension; see workload/inference_perf.py)
+MULTI_TURN_MODES = ("closed-loop", "open-loop")
 GOODPUT_DIMENSIONS = ("ttft_ms", "itl_ms", "e2e_ms")
 DEFAULT_PREFIX_LENGTH = 50
 MAX_COHORT_POPULATION = 100_000
@@ -222,6 +224,10 @@ class SharedPrefixSpec:
 class InferencePerfSpec:
     stages: tuple[StageSpec, ...]
     shared_prefix: SharedPrefixSpec
+    # blis-jax extension: how multi-turn chat is generated. "closed-loop" (BLIS, default): each
+    # user's next round arrives a think time after its previous round completes; "open-loop":
+    # every request arrives as a Poisson process at the stage rate (inference-perf's generator).
+    multi_turn_mode: str = "closed-loop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -585,7 +591,13 @@ class _Parser:
         values = {k: self.integer(pd[k], _join(pp, k), minimum=0 if k == "system_prompt_len" else 1)
                   for k in ints}
         multi = self.opt(pd, "enable_multi_turn_chat", pp, self.boolean) or False
-        return InferencePerfSpec(tuple(stages), SharedPrefixSpec(**values, enable_multi_turn_chat=multi))
+        mode = self.opt(d, "multi_turn_mode", path, self.choice, MULTI_TURN_MODES) or MULTI_TURN_MODES[0]
+        if mode != MULTI_TURN_MODES[0] and not multi:
+            raise ConfigError(f"{_join(path, 'multi_turn_mode')}: {mode!r} applies to multi-turn chat only; set "
+                              f"{_join(pp, 'enable_multi_turn_chat')}: true or drop multi_turn_mode (single-turn "
+                              "stages are open-loop already)")
+        return InferencePerfSpec(tuple(stages), SharedPrefixSpec(**values, enable_multi_turn_chat=multi),
+                                 multi_turn_mode=mode)
 
     def goodput(self, raw: Any, path: str) -> Mapping[str, Mapping[str, float]]:
         if not isinstance(raw, Mapping):
