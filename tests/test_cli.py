@@ -198,16 +198,20 @@ def test_replay_matches_blis(case_id, tmp_path):
 def _cluster_cases() -> list[str]:
     """Reference cases whose routing is deterministic (round-robin) or that admit by token
     bucket: BLIS's output is reproducible byte for byte."""
-    if not BLIS_DIFF.is_dir():
-        return []
-    ids = []
-    for case in sorted(BLIS_DIFF.glob("*/case.json")):
-        c = json.loads(case.read_text())
+    def selected(c: dict) -> bool:
         pool_scorers = any(k in c["other_flags"] for k in ("prefill_routing_scorers", "decode_routing_scorers"))
         deterministic = c["routing_policy"] == "round-robin" and not pool_scorers
-        if (c["num_instances"] > 1 or c["admission_policy"] != "always-admit") and deterministic:
-            ids.append(c["id"].split("_")[0])
-    return ids
+        return (c["num_instances"] > 1 or c["admission_policy"] != "always-admit") and deterministic
+
+    return _case_ids(selected)
+
+
+def _case_ids(selected) -> list[str]:
+    """Short ids (`A01`) of the reference cases whose case.json satisfies `selected`."""
+    if not BLIS_DIFF.is_dir():
+        return []
+    cases = (json.loads(p.read_text()) for p in sorted(BLIS_DIFF.glob("*/case.json")))
+    return [c["id"].split("_")[0] for c in cases if selected(c)]
 
 
 @needs_shared
@@ -223,14 +227,7 @@ def test_replay_cluster_cases_byte_identical(case_id, tmp_path):
 
 
 def _single_instance_cases() -> list[str]:
-    if not BLIS_DIFF.is_dir():
-        return []
-    ids = []
-    for case in sorted(BLIS_DIFF.glob("*/case.json")):
-        c = json.loads(case.read_text())
-        if c["num_instances"] == 1 and c["admission_policy"] == "always-admit":
-            ids.append(c["id"].split("_")[0])
-    return ids
+    return _case_ids(lambda c: c["num_instances"] == 1 and c["admission_policy"] == "always-admit")
 
 
 @needs_shared

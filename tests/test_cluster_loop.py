@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_helpers import case_dir, latency_model, params_from, random_scenario
+from engine_helpers import CaseInputs, case_dir, latency_model, params_from, random_scenario
 from shared_data import needs_blis_diff
 
 from blis_jax.cluster import loop
@@ -90,15 +90,8 @@ MULTI_SEEDS = (42, 1, 2, 3, 4, 5, 6, 7)
 # ----------------------------------------------------------------------------- cases
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    case_id: str
-    case: dict
-    requests: RequestSet
-    model: object
-    results: dict  # request_id -> results.json entry
-    metrics: dict  # metrics.json without "requests"
-    request_metrics: dict  # request_id -> metrics.json["requests"] entry
+@dataclasses.dataclass
+class Case(CaseInputs):
     stdout_blocks: dict  # instance_id -> `=== Simulation Metrics ===` block of stdout.txt
     stdout: str
 

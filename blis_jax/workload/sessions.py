@@ -124,24 +124,7 @@ def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
     for k, v in list(columns.items()):
         if k != "reason_ratio":
             columns[k] = np.concatenate([v, v[src]])
-    requests = RequestSet(
-        request_id=np.arange(n0 + m, dtype=np.int64),
-        arrival_us=np.concatenate([base.arrival_us, np.full(m, FOLLOW_UP_ARRIVAL, np.int64)]),
-        input_len=np.concatenate([base.input_len, rows["input"]]),
-        output_len=np.concatenate([base.output_len, rows["output"]]),
-        deadline_us=np.concatenate([base.deadline_us, np.zeros(m, np.int64)]),
-        prefix_group=np.concatenate([base.prefix_group, base.prefix_group[src]]),
-        prefix_len=np.concatenate([base.prefix_len, base.prefix_len[src]]),
-        priority=np.concatenate([base.priority, base.priority[src]]),
-        slo_class=np.concatenate([base.slo_class, base.slo_class[src]]),
-        tenant_id=np.concatenate([base.tenant_id, base.tenant_id[src]]),
-        client_id=np.concatenate([base.client_id, base.client_id[src]]),
-        session_id=np.concatenate([base.session_id, base.session_id[src]]),
-        round_index=np.concatenate([base.round_index, rows["round"]]),
-        model=np.concatenate([base.model, base.model[src]]),
-        prefix_group_names=base.prefix_group_names,
-        trace_columns=columns,
-    )
+    requests = _with_follow_ups(base, src, rows["input"], rows["output"], rows["round"], columns)
     links = SessionLinks(
         follow_up=np.concatenate([np.zeros(n0, bool), np.ones(m, bool)]),
         next_round=np.concatenate([next_round, links_next]),
@@ -205,25 +188,9 @@ def _concurrency_requests(workload) -> tuple[RequestSet, SessionLinks]:
         else:
             pool = values[src]
         columns[name] = np.concatenate([values, pool])
-    requests = RequestSet(
-        request_id=np.arange(n0 + m, dtype=np.int64),
-        arrival_us=np.concatenate([base.arrival_us, np.full(m, FOLLOW_UP_ARRIVAL, np.int64)]),
-        input_len=np.concatenate([base.input_len, np.concatenate(inputs)]),
-        output_len=np.concatenate([base.output_len, np.concatenate(outputs)]),
-        deadline_us=np.concatenate([base.deadline_us, np.zeros(m, np.int64)]),
-        prefix_group=np.concatenate([base.prefix_group, base.prefix_group[src]]),
-        prefix_len=np.concatenate([base.prefix_len, base.prefix_len[src]]),
-        priority=np.concatenate([base.priority, base.priority[src]]),
-        slo_class=np.concatenate([base.slo_class, base.slo_class[src]]),
-        tenant_id=np.concatenate([base.tenant_id, base.tenant_id[src]]),
-        client_id=np.concatenate([base.client_id, base.client_id[src]]),
-        # the user and round of a pool row are known after the run (settle_sessions)
-        session_id=np.concatenate([base.session_id, base.session_id[src]]),
-        round_index=np.concatenate([base.round_index, np.ones(m, np.int64)]),
-        model=np.concatenate([base.model, base.model[src]]),
-        prefix_group_names=base.prefix_group_names,
-        trace_columns=columns,
-    )
+    # the user and round of a pool row are known after the run (settle_sessions)
+    requests = _with_follow_ups(base, src, np.concatenate(inputs), np.concatenate(outputs), np.ones(m, np.int64),
+                                columns)
     links = SessionLinks(
         follow_up=np.concatenate([np.zeros(n0, bool), np.ones(m, bool)]),
         next_round=np.full(n0 + m, -1, np.int64),
@@ -281,3 +248,23 @@ def settle_sessions(requests: RequestSet, links: SessionLinks, arrival_us: np.nd
         round_index=round_index[rows], model=requests.model[rows],
         trace_columns={k: v[rows] for k, v in requests.trace_columns.items()})
     return rows, settled
+
+
+def _with_follow_ups(base: RequestSet, src: np.ndarray, input_len, output_len, round_index, columns) -> RequestSet:
+    """`base` plus one row per later request: lengths and round given, arrival a placeholder the
+    loop overwrites, labels copied from the session's first request `src`."""
+    m = src.shape[0]
+    copied = {name: np.concatenate([getattr(base, name), getattr(base, name)[src]])
+              for name in ("prefix_group", "prefix_len", "priority", "slo_class", "tenant_id", "client_id",
+                           "session_id", "model")}
+    return RequestSet(
+        request_id=np.arange(len(base) + m, dtype=np.int64),
+        arrival_us=np.concatenate([base.arrival_us, np.full(m, FOLLOW_UP_ARRIVAL, np.int64)]),
+        input_len=np.concatenate([base.input_len, input_len]),
+        output_len=np.concatenate([base.output_len, output_len]),
+        deadline_us=np.concatenate([base.deadline_us, np.zeros(m, np.int64)]),
+        round_index=np.concatenate([base.round_index, round_index]),
+        prefix_group_names=base.prefix_group_names,
+        trace_columns=columns,
+        **copied,
+    )
