@@ -380,6 +380,7 @@ class TestExactParity:
 
 
 @needs_blis_diff
+@pytest.mark.slow  # its own compiled program (least-loaded, roofline)
 def test_d02_least_loaded_statistical():
     c, out = case_inputs("D02"), case_run("D02")
     assert out.result == so.RESULT_OK
@@ -647,7 +648,8 @@ def assert_outputs_equal(a: so.SimOutput, b: so.SimOutput, what: str):
         assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f"{what}: SimOutput.{field}"
 
 
-@pytest.fixture(params=list(SCENARIOS))
+# least-loaded compiles a program of its own (D02's): slow
+@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.slow) if n == "least_loaded" else n for n in SCENARIOS])
 def name(request):
     return request.param
 

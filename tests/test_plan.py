@@ -72,6 +72,7 @@ def test_largest_rate_checks_out(tmp_path):
     assert [r["meets_slo"] for r in rows] == [rate <= chosen for rate in RATES]
 
 
+@pytest.mark.slow  # three compiled programs (the plan's cluster grid and two check runs)
 def test_smallest_instance_count_checks_out(tmp_path):
     """`plan --search num-instances` (default: smallest): at 30 req/s one and two instances
     miss the p99 TTFT target and four meet it; separate runs agree."""

@@ -189,6 +189,7 @@ def cluster_sweep(tmp_path_factory):
     return {"dir": d / "out", "rows": json.loads((d / "out" / "table.json").read_text())["rows"], "stderr": stderr}
 
 
+@pytest.mark.slow  # two more compiled programs (the separate runs)
 def test_cluster_rows_equal_separate_runs(cluster_sweep, tmp_path):
     """num-instances 1 (the single-instance lane), 2 and 4 (one cluster program with 4 instance
     slots): every row equals a separate `blis-jax run --num-instances N` (which compiles its
