@@ -445,6 +445,7 @@ def check_d05_spread(out: so.SimOutput, seed):
 
 
 @needs_blis_diff
+@pytest.mark.slow  # the weighted program (8 slots) compiles for this and the weighted scenario
 def test_d03_weighted_default_profile():
     out = case_run("D03")
     facts = check_weighted_structure("D03", out, 42)
@@ -648,8 +649,9 @@ def assert_outputs_equal(a: so.SimOutput, b: so.SimOutput, what: str):
         assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f"{what}: SimOutput.{field}"
 
 
-# least-loaded compiles a program of its own (D02's): slow
-@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.slow) if n == "least_loaded" else n for n in SCENARIOS])
+# least-loaded and weighted compile programs of their own (D02's, D03's): slow
+@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.slow) if n in ("least_loaded", "weighted") else n
+                        for n in SCENARIOS])
 def name(request):
     return request.param
 

@@ -72,6 +72,7 @@ def test_means_match_whole_run_differences_in_the_smooth_case(smooth, metric):
         assert e.rel_diff < 0.05, (metric, name, e.derivative, e.check)
 
 
+@pytest.mark.slow  # more whole-run differences; `pytest -m slow`
 @pytest.mark.parametrize("metric", ["ttft_p99", "e2e_p99", "throughput"])
 def test_single_sample_metrics_match_for_the_leading_coefficients(smooth, metric):
     # p99 and the end of the run hang on one or two requests; checked for α0, α2, b3
@@ -84,6 +85,7 @@ def test_single_sample_metrics_match_for_the_leading_coefficients(smooth, metric
             assert e.rel_diff < 0.05, (metric, name, e.derivative, e.check)
 
 
+@pytest.mark.slow  # more whole-run differences; `pytest -m slow`
 def test_e2e_and_itl_under_overlap(smooth):
     # 1.5 req/s: 16 % of the arrivals find a step in progress. E2E and ITL still follow the
     # fixed-schedule derivative (measured ≤ 1.1 % for these); TTFT of those arrivals does not
