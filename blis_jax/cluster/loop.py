@@ -250,8 +250,8 @@ def _pick(cd: ClusterDims, policy_profile, rr, rs: signals.RouterState, route_re
 
 def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, r, t_admit,
             t_route, on):
-    """Admission and routing of request r. Returns (state, instance to inject into now, and
-    whether it is a disaggregated request's prefill)."""
+    """Admission and routing of request r. Returns (state, instance to inject it into now: its
+    serving instance, or with disaggregation its prefill instance; -1 when rejected)."""
     policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r])
     admitted = admitted & on
     live = live_signals(cs.instances, params, cd.engine.block_size)
