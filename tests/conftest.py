@@ -3,9 +3,9 @@
 Tests that call the CLI in-process would switch on JAX's persistent compilation cache in the
 user's cache directory for the rest of the session (the CLI's default); tests keep it off
 unless they set BLIS_JAX_COMPILE_CACHE themselves (the compile-cache test does, in a
-subprocess). Compiled programs are dropped after each test module: a full run compiles
-dozens of engine and cluster programs, and keeping them all resident exhausted the memory of
-a small CI machine.
+subprocess). Compiled programs of the modules that build large ones are dropped after the
+module: a full run compiles dozens of engine and cluster programs, and keeping them all
+resident crashed a run on a small CI machine.
 """
 
 import gc
@@ -19,8 +19,14 @@ import pytest  # noqa: E402
 import blis_jax  # noqa: E402, F401
 
 
+# Modules whose compiled programs are large (clusters, sweeps, fits, golden runs): dropped after
+# the module. Others keep theirs, which later modules often reuse (same shapes).
+_LARGE_PROGRAMS = ("cluster", "sweep", "plan", "sensitivity", "golden", "fit", "concurrency", "sessions")
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _drop_compiled_programs():
+def _drop_compiled_programs(request):
     yield
-    jax.clear_caches()
-    gc.collect()
+    if any(word in request.module.__name__ for word in _LARGE_PROGRAMS):
+        jax.clear_caches()
+        gc.collect()

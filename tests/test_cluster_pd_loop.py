@@ -29,7 +29,8 @@ from blis_jax.metrics import metrics_output
 from blis_jax.output import pd_summary
 from blis_jax.workload.tracev2 import read_trace
 
-pytestmark = needs_blis_diff
+# One compiled PD program (~25 s on 2 cores) for the whole module: `pytest -m slow`.
+pytestmark = [needs_blis_diff, pytest.mark.slow]
 
 
 @cache
