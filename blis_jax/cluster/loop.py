@@ -373,7 +373,7 @@ def _start_transfers(cs: ClusterState, cd: ClusterDims, params, cparams: Cluster
         return dataclasses.replace(
             c, instances=instances, transfers=tr,
             exits_read=c.exits_read.at[jnp.where(on, i, cd.num_instances)].add(1, mode="drop"),
-            result=c.result | jnp.where(full | overrun, xfer.TRANSFERS_FULL, 0).astype(jnp.int32),
+            result=c.result | jnp.where(full | overrun, results.TRANSFERS_FULL, 0).astype(jnp.int32),
         )
 
     return masked_while(more, body, cs, (params, cparams, req, now, on))
@@ -441,8 +441,10 @@ def overflowed(cs: ClusterState):
     return jnp.any((cs.instances.result & results.GROWABLE) != 0) | (cs.result != 0)
 
 
-def finished(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays):
-    out_len = lane_output_len(cparams, req)
+def finished(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays, out_len=None):
+    """Nothing left before the horizon (or a buffer overflowed). `out_len`: the loop's
+    `lane_output_len`, passed in so the loop does not rebuild an [I, N] array per iteration."""
+    out_len = lane_output_len(cparams, req) if out_len is None else out_len
     return (((next_cluster_time(cs, cparams, params, req) >= INF_TIME)
              & _caught_up(cs, params, req, out_len, jnp.int64(INF_TIME))) | overflowed(cs))
 
@@ -461,7 +463,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
 
     def cond(c, ops):
         params, cparams, req, out_len, _, limit = ops
-        return ~finished(c, cparams, params, req) & jnp.all(c.instances.events < limit)
+        return ~finished(c, cparams, params, req, out_len) & jnp.all(c.instances.events < limit)
 
     def body(c, ops, on):
         params, cparams, req, out_len, model, limit = ops

@@ -210,7 +210,7 @@ def simulate_cluster_views(
                 progress(int(jnp.sum(cs.instances.finished)), len(requests), int(jnp.max(cs.instances.now)))
             if bool(loop.finished(cs, cparams, params, req)):
                 break
-        code = int(jnp.bitwise_or.reduce(cs.instances.result)) | (results.INBOX_FULL if int(cs.result) else 0)
+        code = int(jnp.bitwise_or.reduce(cs.instances.result)) | int(cs.result)
         if code & results.GROWABLE and growth < 64:
             growth *= 4
             continue

@@ -20,9 +20,6 @@ from jaxtyping import Array, Bool, Int32, Int64
 
 from blis_jax.engine.params import INF_TIME
 
-TRANSFERS_FULL = 1 << 0  # cluster result bit: more transfers in flight than the set holds
-
-
 class Transfers(eqx.Module):
     done_at: Int64[Array, " T"]  # completion time; INF_TIME = free entry
     request: Int32[Array, " T"]

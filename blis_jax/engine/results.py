@@ -13,6 +13,7 @@ WINDOW_FULL = 1 << 6  # requests in flight span more than `window` enqueue posit
 STEP_LOG_FULL = 1 << 7  # more steps since the last host read than the step log holds
 RUN_LOG_FULL = 1 << 8  # more gap-closed decode runs since the last host read than the run log holds
 INBOX_FULL = 1 << 9  # more routed requests awaiting their enqueue at one instance than the inbox holds
+TRANSFERS_FULL = 1 << 10  # PD cluster: more KV transfers in flight (or unread completions) than held
 
 _NAMES = {
     ROWS_FULL: "rows_full",
@@ -23,10 +24,11 @@ _NAMES = {
     STEP_LOG_FULL: "step_log_full",
     RUN_LOG_FULL: "run_log_full",
     INBOX_FULL: "inbox_full",
+    TRANSFERS_FULL: "transfers_full",
 }
 
 GROWABLE = (ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL | WINDOW_FULL | STEP_LOG_FULL | RUN_LOG_FULL
-            | INBOX_FULL)
+            | INBOX_FULL | TRANSFERS_FULL)
 
 
 def describe(code: int) -> str:
