@@ -1,4 +1,4 @@
-"""The compressed ITL log (engine/itl_log.py, events._log_itl): scripted decode patterns.
+"""The compressed ITL log (engine/itl_log.py, itl_log.record_step): scripted decode patterns.
 
 The engine's scenarios never leave a running request without a token for a step (running
 requests are scheduled first), so the run log's gap path is driven here directly: a script of
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from engine_helpers import dims_floor, latency_model, params_from, random_scenario, small_dims
 
-from blis_jax.engine import events, results
+from blis_jax.engine import itl_log, results
 from blis_jax.engine import simulate as sim
 from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.output import COMPLETED, TIMED_OUT, SimOutput, itl_from_samples
@@ -43,7 +43,7 @@ def _run_script(dims, script, samples, read_every=None):
     reader = ItlLogReader()
     s = dims.batch_slots
     rows = jnp.arange(s, dtype=jnp.int32)
-    log_step = jax.jit(lambda st, sl, dec, smp: events._log_itl(st, sl, dims, rows, rows, dec, smp, jnp.asarray(True)))
+    log_step = jax.jit(lambda st, sl, dec, smp: itl_log.record_step(st, sl, dims, rows, rows, dec, smp, jnp.asarray(True)))
     for k, decoding in enumerate(script):
         decoded = jnp.zeros(s, bool).at[jnp.asarray(decoding, jnp.int32)].set(True)
         state, step_sample = log_step(state, state.step_sample, decoded, jnp.int64(samples[k]))

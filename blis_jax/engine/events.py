@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from blis_jax import latency
-from blis_jax.engine import batch, kv, results, sessions, transfer, waitqueue
+from blis_jax.engine import batch, coast, itl_log, kv, results, sessions, transfer, waitqueue
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import INF_TIME, EngineParams
@@ -48,6 +48,12 @@ def _next_static_timeout(state: EngineState, req: RequestArrays):
     n = state.deadline_order.shape[0]
     r = state.deadline_order[jnp.minimum(state.dl_pos, n - 1)]
     return r, jnp.where(state.dl_pos < state.num_deadlines, req.deadline[r], INF_TIME)
+
+
+def _next_enqueue_and_timeout(state: EngineState, req: RequestArrays):
+    """Times of the next enqueue and of the next timeout (INF_TIME when none)."""
+    return (jnp.minimum(_next_static_enqueue(state)[1], sessions.next_pending_round(state)[1]),
+            jnp.minimum(_next_static_timeout(state, req)[1], sessions.next_follow_up_timeout(state)[1]))
 
 
 def next_event(state: EngineState, req: RequestArrays):
@@ -228,7 +234,7 @@ def _execute(state: EngineState, step_sample, dims: EngineDims, req: RequestArra
         row_num_itl=state.row_num_itl.at[drop_row(decoded)].add(1, mode="drop"),
         row_itl_sum=state.row_itl_sum.at[drop_row(decoded)].add(sample, mode="drop"),
     )
-    state, step_sample = _log_itl(state, step_sample, dims, rows, r, decoded, sample, active)
+    state, step_sample = itl_log.record_step(state, step_sample, dims, rows, r, decoded, sample, active)
     if dims.trace_steps and model.kind == "trained-physics":
         state = _log_trace(state, dims, model, feats, step_us, active)
     return dataclasses.replace(state, steps=state.steps + active), step_us, step_sample
@@ -243,34 +249,6 @@ def _log_trace(state: EngineState, dims: EngineDims, model, feats, step_us, acti
         step_dur=state.step_dur.at[at].set(step_us, mode="drop"),
         step_basis=state.step_basis.at[at].set(latency.trained_physics_basis_vector(model, feats), mode="drop"),
     )
-
-
-def _log_itl(state: EngineState, step_sample, dims: EngineDims, rows, r, decoded, sample, active):
-    """Every decoding request of a step gets the same ITL sample, so the log keeps one value per
-    step and, per request, the runs of consecutive steps it decoded in (itl_log.py): memory
-    O(steps + requests), not O(tokens). A run broken by a gap (a running request that got no
-    token this step) goes to the run log; the open run is written with the request's record."""
-    now_step = state.steps
-    first, last = state.row_run_first[rows], state.row_run_last[rows]
-    gap = decoded & (first >= 0) & (last != now_step - 1)
-    at = state.run_len + jnp.cumsum(gap) - 1
-    log_at = jnp.where(gap, at, dims.run_log)
-    run_full = jnp.any(gap & (at >= dims.run_log))
-    log_full = active & (now_step - state.step_log_base >= dims.step_log)
-    drop_row = jnp.where(decoded, rows, dims.rows)
-    state = dataclasses.replace(
-        state,
-        run_req=state.run_req.at[log_at].set(r.astype(jnp.int32), mode="drop"),
-        run_first=state.run_first.at[log_at].set(first, mode="drop"),
-        run_last=state.run_last.at[log_at].set(last, mode="drop"),
-        run_len=state.run_len + jnp.sum(gap).astype(jnp.int32),
-        row_run_first=state.row_run_first.at[drop_row].set(jnp.where((first < 0) | gap, now_step, first), mode="drop"),
-        row_run_last=state.row_run_last.at[drop_row].set(now_step, mode="drop"),
-        result=state.result | jnp.where(run_full, results.RUN_LOG_FULL, 0).astype(jnp.int32)
-        | jnp.where(log_full, results.STEP_LOG_FULL, 0).astype(jnp.int32),
-    )
-    at_step = jnp.where(active, now_step % dims.step_log, dims.step_log)
-    return state, step_sample.at[at_step].set(sample.astype(jnp.int32), mode="drop")
 
 
 def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, model, step_us,
@@ -339,8 +317,10 @@ def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams,
     )
 
 
-def step(state, dims: EngineDims, params: EngineParams, req: RequestArrays, model, active) -> EngineState:
-    """StepEvent: form the batch, run it, finish requests, schedule the next step."""
+def step(state, dims: EngineDims, params: EngineParams, req: RequestArrays, model, active, until=INF_TIME
+         ) -> EngineState:
+    """StepEvent: form the batch, run it, finish requests, schedule the next step. The plain
+    decode steps that follow, before the next other event and `until`, run with it (coast.py)."""
     now = state.next_step
     state = _advance_clock(state, now, active)
     state = dataclasses.replace(state, step_pending=state.step_pending & ~active)
@@ -351,10 +331,16 @@ def step(state, dims: EngineDims, params: EngineParams, req: RequestArrays, mode
     state = batch.admit_waiting(state, dims, params, req, budget, preempted, run)
     state, step_us, step_sample = _execute(state, step_sample, dims, req, model, run)
     state = _finish_requests(state, dims, params, req, model, step_us, run)
-    state = dataclasses.replace(state, step_sample=step_sample)
     more = run & ((state.batch_len > 0) | (state.wait_len > 0))
+    following = now + step_us
+    if dims.coast_steps > 1 and not dims.trace_steps:  # the step trace logs each step's basis
+        t_enqueue, t_timeout = _next_enqueue_and_timeout(state, req)
+        t_limit = jnp.minimum(jnp.minimum(t_timeout, until), params.horizon_us + 1)
+        state, step_sample, following = coast.decode_run(state, step_sample, dims, params, req, model, following,
+                                                         t_enqueue, t_limit, more)
+    state = dataclasses.replace(state, step_sample=step_sample)
     return dataclasses.replace(
         state,
         step_pending=state.step_pending | more,
-        next_step=jnp.where(more, now + step_us, jnp.where(active, INF_TIME, state.next_step)),
+        next_step=jnp.where(more, following, jnp.where(active, INF_TIME, state.next_step)),
     )

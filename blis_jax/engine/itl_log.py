@@ -1,9 +1,9 @@
-"""Host side of the ITL log: read the engine's step log and run log, build `SimOutput`'s ITL pool.
+"""The ITL log: written inside the loop (`record_step`), read by the host (`ItlLogReader`) to
+build `SimOutput`'s ITL pool.
 
 Inside the loop every executed step writes its ITL sample (step time + α2, the same for every
 request decoding in it) at `step index mod step_log`, and a decode run broken by a gap goes to
-the run log (events.py `_log_itl`). The chunked driver reads both after every chunk and marks
-them read (`step_log_base`, `run_len`), so their device sizes only bound one chunk; a whole run
+the run log. The chunked driver reads both after every chunk and marks them read (`step_log_base`, `run_len`), so their device sizes only bound one chunk; a whole run
 in one call (`run_to_end`) needs logs that hold the whole run (else a *_LOG_FULL result bit).
 
 A request's ITL samples are those since its last admission (preemption discards earlier ones,
@@ -17,7 +17,43 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from blis_jax.engine import results
+from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.state import EngineState
+
+
+def record_step(state: EngineState, step_sample, dims: EngineDims, rows, r, decoded, sample, active):
+    """Log step `state.steps`. Every decoding request of a step gets the same ITL sample, so the
+    log keeps one value per step and, per request, the runs of consecutive steps it decoded in: memory
+    O(steps + requests), not O(tokens). A run broken by a gap (a running request that got no
+    token this step) goes to the run log; the open run is written with the request's record."""
+    state = record_runs(state, dims, rows, r, decoded, active)
+    at_step = jnp.where(active, state.steps % dims.step_log, dims.step_log)
+    return state, step_sample.at[at_step].set(sample.astype(jnp.int32), mode="drop")
+
+
+def record_runs(state: EngineState, dims: EngineDims, rows, r, decoded, active) -> EngineState:
+    """`record_step` without the sample: the decode runs of step `state.steps`."""
+    now_step = state.steps
+    first, last = state.row_run_first[rows], state.row_run_last[rows]
+    gap = decoded & (first >= 0) & (last != now_step - 1)
+    at = state.run_len + jnp.cumsum(gap) - 1
+    log_at = jnp.where(gap, at, dims.run_log)
+    run_full = jnp.any(gap & (at >= dims.run_log))
+    log_full = active & (now_step - state.step_log_base >= dims.step_log)
+    drop_row = jnp.where(decoded, rows, dims.rows)
+    state = dataclasses.replace(
+        state,
+        run_req=state.run_req.at[log_at].set(r.astype(jnp.int32), mode="drop"),
+        run_first=state.run_first.at[log_at].set(first, mode="drop"),
+        run_last=state.run_last.at[log_at].set(last, mode="drop"),
+        run_len=state.run_len + jnp.sum(gap).astype(jnp.int32),
+        row_run_first=state.row_run_first.at[drop_row].set(jnp.where((first < 0) | gap, now_step, first), mode="drop"),
+        row_run_last=state.row_run_last.at[drop_row].set(now_step, mode="drop"),
+        result=state.result | jnp.where(run_full, results.RUN_LOG_FULL, 0).astype(jnp.int32)
+        | jnp.where(log_full, results.STEP_LOG_FULL, 0).astype(jnp.int32),
+    )
+    return state
 
 
 class ItlLogReader:

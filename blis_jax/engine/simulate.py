@@ -109,7 +109,7 @@ def _body(state: EngineState, dims, params, req, model, active=True, until=INF_T
     state = masked_while(before_step, other_event, state, (params, req, model, jnp.asarray(active), until))
     kind, time = events.next_event(state, req)
     go = active & (kind == events.STEP) & _due(time, params, until) & ((state.result & results.GROWABLE) == 0)
-    state = events.step(state, dims, params, req, model, go)
+    state = events.step(state, dims, params, req, model, go, until)
     return dataclasses.replace(state, events=state.events + go)
 
 

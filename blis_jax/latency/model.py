@@ -6,7 +6,10 @@ functions are the differentiable values; the ``*_us`` functions truncate to int6
 exactly as BLIS does (Go ``int64(x)``; NaN and overflow clamp to MaxInt64).
 """
 
+import dataclasses
+
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
@@ -223,6 +226,21 @@ def truncate_us(x: Float[Array, "..."]) -> Int[Array, "..."]:
 def step_time_us(model: LatencyModel, feats: BatchFeatures) -> Int[Array, ""]:
     """Step time as BLIS reports it: max(1, trunc(µs)); an empty batch gives 1."""
     return jnp.maximum(jnp.int64(1), truncate_us(step_time_float(model, feats)))
+
+
+def decode_run_step_times_us(model: LatencyModel, feats: BatchFeatures, offsets) -> Int[Array, " K"]:
+    """`step_time_us` of the decode-only batch `feats` with every context grown by each of
+    `offsets` [K] (the steps of a decode run; engine/coast.py). Trained-physics depends on the
+    batch only through integer sums, so this is O(K) rather than O(K x slots)."""
+    offsets = jnp.asarray(offsets, jnp.int64)
+    if model.kind == "trained-physics":
+        count = jnp.sum(feats.decode).astype(jnp.int64)
+        ctx = jnp.sum(jnp.where(feats.decode, feats.progress, 0)) + offsets * count
+        x = trained_physics.step_time_of_sums(model, trained_physics.decode_sums(count, ctx))
+        x = jnp.where(count > 0, x, 0.0)
+    else:
+        x = jax.vmap(lambda o: step_time_float(model, dataclasses.replace(feats, progress=feats.progress + o)))(offsets)
+    return jnp.maximum(jnp.int64(1), truncate_us(x))
 
 
 def queueing_time_us(model: LatencyModel, input_len: ArrayLike) -> Int[Array, "..."]:

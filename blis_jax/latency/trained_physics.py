@@ -15,23 +15,49 @@ if TYPE_CHECKING:
     from blis_jax.latency.model import LatencyModel
 
 
-def basis(m: "LatencyModel", f: BatchFeatures) -> dict[str, Float[Array, ""]]:
-    """The basis values of one batch: every term a beta multiplies (a pytree of float64
-    scalars; the step time is linear in beta given these, handy for refitting)."""
+def _head_dim(m: "LatencyModel"):
+    return jnp.floor(m.hidden_size / m.num_heads)  # integer division d/H; the explicit head_dim is ignored here
+
+
+def batch_sums(m: "LatencyModel", f: BatchFeatures) -> dict[str, Float[Array, ""]]:
+    """The batch aggregates the step time depends on (float64; exact for integer sums)."""
     f64 = jnp.float64
     pf, dc = f.prefill, f.decode
-    # Batch aggregates. Prefill attention reads the FULL prompt length S_i (InputLen), not
-    # the chunk's context; decode reads its context c_j = ProgressIndex.
+    # Prefill attention reads the FULL prompt length S_i (InputLen), not the chunk's context;
+    # decode reads its context c_j = ProgressIndex.
     t = jnp.where(pf, f.new_tokens, 0).astype(f64)
     s = jnp.where(pf, f.input_len, 0).astype(f64)
     c = jnp.where(dc, f.progress, 0).astype(f64)
-    t_pf = jnp.sum(t)
-    t_dc = jnp.sum(dc).astype(f64)
-    ctx = jnp.sum(c)
-    batch = jnp.sum(f.scheduled).astype(f64)
+    return {
+        "t_pf": jnp.sum(t),
+        "t_dc": jnp.sum(dc).astype(f64),
+        "ctx": jnp.sum(c),
+        "batch": jnp.sum(f.scheduled).astype(f64),
+        "attn_pf": jnp.sum(4.0 * (m.num_heads / m.tp) * t * (s + t / 2.0) * _head_dim(m)),
+    }
+
+
+def decode_sums(count, ctx) -> dict[str, Float[Array, "..."]]:
+    """`batch_sums` of a decode-only batch of `count` requests with total context `ctx`
+    (broadcasts: a run of decode steps at once)."""
+    f64 = jnp.float64
+    count, ctx = jnp.asarray(count, f64), jnp.asarray(ctx, f64)
+    zero = jnp.zeros_like(ctx)
+    return {"t_pf": zero, "t_dc": count + zero, "ctx": ctx, "batch": count + zero, "attn_pf": zero}
+
+
+def basis(m: "LatencyModel", f: BatchFeatures) -> dict[str, Float[Array, ""]]:
+    """The basis values of one batch: every term a beta multiplies (a pytree of float64
+    scalars; the step time is linear in beta given these, handy for refitting)."""
+    return basis_of_sums(m, batch_sums(m, f))
+
+
+def basis_of_sums(m: "LatencyModel", sums: dict) -> dict[str, Float[Array, "..."]]:
+    """`basis` from the batch aggregates (elementwise: any shape of aggregates)."""
+    t_pf, t_dc, ctx, batch = sums["t_pf"], sums["t_dc"], sums["ctx"], sums["batch"]
 
     L, d, H, H_kv = m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads
-    d_h = jnp.floor(d / H)  # integer division d/H; the explicit head_dim is ignored here
+    d_h = _head_dim(m)
     d_kv = H_kv * d_h
     tp = m.tp
     is_moe = m.num_experts >= 2
@@ -60,7 +86,7 @@ def basis(m: "LatencyModel", f: BatchFeatures) -> dict[str, Float[Array, ""]]:
             + n_dense * tokens * 6.0 * d * f_dense / tau
         )
 
-    attn_pf = (L / dp) * jnp.sum(4.0 * heads * t * (s + t / 2.0) * d_h)
+    attn_pf = (L / dp) * sums["attn_pf"]
     attn_dc = L * 4.0 * heads * ctx * d_h / dp
     # KV bytes use a hard-coded 2 bytes per element, whatever the dtype.
     kv_per_token = L * 2.0 * (d_kv / tau) * 2.0
@@ -110,7 +136,12 @@ def peak_flops_per_us(m: "LatencyModel") -> Float[Array, ""]:
 
 def step_time(m: "LatencyModel", f: BatchFeatures) -> Float[Array, ""]:
     """Step time in float µs before truncation; 0.0 for an empty batch."""
-    x = basis(m, f)
+    return step_time_of_sums(m, batch_sums(m, f))
+
+
+def step_time_of_sums(m: "LatencyModel", sums: dict) -> Float[Array, "..."]:
+    """`step_time` from the batch aggregates (elementwise)."""
+    x = basis_of_sums(m, sums)
     beta, mode = m.beta, m.num_betas
     # The number of betas (static) selects the form, as in the reference.
     if mode >= 9:
