@@ -1,12 +1,14 @@
 """Scenario-sweep benchmark: one command, prints the figures.
 
-    python benchmarks/sweep.py            # 10 rates x 4 max-num-seqs x 5 seeds, 1,000 requests each
-    python benchmarks/sweep.py --quick    # 2 rates x 2 max-num-seqs x 1 seed, 100 requests each
-    python benchmarks/sweep.py --seeds 1  # the full grid with one seed (40 scenarios)
+    python benchmarks/sweep.py            # 10 rates x 5 instance counts x 4 max-num-seqs x 5 seeds:
+                                          # 1,000 scenarios of 1,000 requests each
+    python benchmarks/sweep.py --quick    # 2 rates x 2 instance counts x 2 max-num-seqs x 1 seed, 100 requests
+    python benchmarks/sweep.py --seeds 1  # the full grid with one seed (200 scenarios)
 
-Llama-3.1-8B-Instruct on one H100 (TP 1, trained-physics, auto-sized KV cache), BLIS's
-default distribution workload (constant arrivals at the rate, Gaussian 512/256 prompt and
-output lengths). (Cluster sizes join the grid as an instance-count axis once clusters exist.)
+Llama-3.1-8B-Instruct on H100s (TP 1, trained-physics, auto-sized KV cache), BLIS's default
+distribution workload (constant arrivals at the rate, Gaussian 512/256 prompt and output
+lengths), 1, 2, 4, 8 or 16 instances behind BLIS's default router (round-robin, always-admit):
+the sweep runs those instances as independent single-instance lanes (cluster/decompose.py).
 
 Each sweep is a separate `blis-jax sweep` process: "cold" starts with an empty persistent
 compilation cache (tracing + XLA compilation + the runs), "warm" is the same command again
@@ -27,8 +29,11 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-FULL = {"rate": [2, 4, 6, 8, 10, 12, 14, 16, 18, 20], "max-num-seqs": [32, 64, 128, 256], "seed": [1, 2, 3, 4, 5]}
-QUICK = {"rate": [5, 10], "max-num-seqs": [64, 256], "seed": [1]}
+FULL = {"rate": [2, 4, 6, 8, 10, 12, 14, 16, 18, 20], "num-instances": [1, 2, 4, 8, 16],
+        "max-num-seqs": [32, 64, 128, 256], "seed": [1, 2, 3, 4, 5]}
+QUICK = {"rate": [5, 10], "num-instances": [1, 4], "max-num-seqs": [64, 256], "seed": [1]}
+# BLIS on this machine: 0.2-1.0 s per 1,000-request run, one process per scenario
+BLIS_RUN_S = (0.2, 1.0)
 
 
 def grid(quick: bool, seeds: int | None) -> dict:
@@ -87,6 +92,10 @@ def main() -> None:
         print(f"{name:<6}{r['wall_s']:>10.1f}{scenarios / r['wall_s']:>14.2f}{r['batches']:>9}"
               f"{r['peak_rss_mib']:>14.0f}")
     print(f"warm table identical to cold: {same}")
+    if not args.quick:
+        low, high = (scenarios * t for t in BLIS_RUN_S)
+        print(f"BLIS, one process per scenario at {BLIS_RUN_S[0]}-{BLIS_RUN_S[1]} s per run: "
+              f"{low:.0f}-{high:.0f} s ({high / warm['wall_s']:.0f}x the warm sweep at the slow end)")
 
 
 if __name__ == "__main__":

@@ -67,14 +67,14 @@ import pytest
 from engine_helpers import CaseInputs, case_dir, latency_model, params_from, random_scenario
 from shared_data import needs_blis_diff
 
-from blis_jax.cluster import loop
+from blis_jax.cluster import decompose, loop
 from blis_jax.cluster import simulate as csim
 from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster
 from blis_jax.engine import output as so
 from blis_jax.engine import results as rc
 from blis_jax.engine import state as st
 from blis_jax.engine.dims import cover
-from blis_jax.engine.simulate import in_flight
+from blis_jax.engine.simulate import in_flight, simulate_instance
 from blis_jax.latency import output_token_time_us, post_decode_time_us, queueing_time_us
 from blis_jax.metrics import metrics_output
 from blis_jax.workload.requests import RequestSet
@@ -725,3 +725,53 @@ def test_masked_slot_equals_fewer_slots():
     three = run_cluster(requests, settings, scenario_model("round_robin"),
                         ClusterConfig(num_instances=3, instance_slots=3), group_floor(group))
     assert_outputs_equal(masked_run(), three, "3 active of 4 slots vs 3 slots")
+
+
+# ----------------------------------------------------------------------------- independent instances
+
+
+def independent_run(requests: RequestSet, settings: dict, model, cfg: ClusterConfig, horizon_us=None) -> so.SimOutput:
+    """The cluster as separate single-instance runs, merged (cluster/decompose.py)."""
+    assert decompose.independent(cfg.validate(), requests)
+    params = params_from(settings) if horizon_us is None else dataclasses.replace(
+        params_from(settings), horizon_us=jnp.asarray(horizon_us, jnp.int64))
+    handled = decompose.route(requests, cfg.num_instances, horizon_us)
+    members = [np.flatnonzero(handled == i) for i in range(cfg.num_instances)]
+    outputs = [simulate_instance(decompose.instance_requests(requests, idx), params, model,
+                                 scheduler=settings.get("scheduler", "fcfs"),
+                                 preemption_policy=settings.get("preemption_policy", "fcfs"))
+               for idx in members if len(idx)]
+    return decompose.merge(outputs, members, handled)
+
+
+@needs_blis_diff
+def test_round_robin_cluster_equals_independent_instances_d01():
+    """D01 (4 instances, round-robin) as four single-instance runs: the same output, field by field."""
+    c = case_inputs("D01")
+    assert_outputs_equal(independent_run(c.requests, c.case, c.model, c.config(c.case["seed"])), case_run("D01"),
+                         "D01")
+
+
+@needs_blis_diff  # the cluster program is D01's
+@pytest.mark.parametrize("horizon_us, instances", [(None, 4), (1_500_000, 3), (30_000, 4)])
+def test_round_robin_cluster_equals_independent_instances(horizon_us, instances):
+    """Deadlines, prefix groups and a small KV cache (preemptions), with a horizon cutting the
+    arrivals, and a horizon that leaves an instance idle: still equal, field by field."""
+    requests, settings, cfg, group = scenario("round_robin")
+    cfg = dataclasses.replace(cfg, num_instances=instances, instance_slots=max(instances, 4))
+    model = scenario_model("round_robin")
+    if horizon_us is None:
+        want = scenario_run("round_robin") if instances == 4 else run_cluster(
+            requests, settings, model, cfg, group_floor(group))
+    else:
+        with dims_floor(group_floor(group)):
+            want = simulate_cluster(requests, dataclasses.replace(
+                params_from(settings), horizon_us=jnp.asarray(horizon_us, jnp.int64)), model, cfg)
+    got = independent_run(requests, settings, model, cfg, horizon_us)
+    if horizon_us is None:
+        assert want.preemption_count.sum() > 0 and np.any(want.status == so.TIMED_OUT)
+    else:
+        assert np.any(want.status == so.NOT_ARRIVED)
+    if horizon_us == 30_000:
+        assert np.any(np.bincount(want.handled_by[want.handled_by >= 0], minlength=instances) == 0)
+    assert_outputs_equal(got, want, f"horizon {horizon_us}, {instances} instances")

@@ -10,9 +10,9 @@ max-num-seqs stays within one bucket. The 4-device subprocess runs the CPU defau
 per device, no vmap), so the two tables also compare the two batch programs. It starts first
 so that its compilation overlaps the in-process tests.
 
-The cluster tests use 128 requests (CLUSTER_BASE) and round-robin routing; their programs (the
-single-instance lane and run driver at those dims, the cluster program at 4 and at 2 instance
-slots) are shared with tests/test_plan.py's num-instances plan.
+The cluster tests use 128 requests (CLUSTER_BASE) and round-robin routing, which the sweep runs
+as independent single-instance lanes (cluster/decompose.py); the separate runs' cluster programs
+(4 and 2 instance slots) are shared with tests/test_plan.py's num-instances plan checks.
 """
 
 from __future__ import annotations
@@ -184,19 +184,21 @@ def test_sharded_equals_unsharded(sweep, sharded_process):
 def cluster_sweep(tmp_path_factory):
     d = tmp_path_factory.mktemp("clusters")
     grid = write_grid(d / "instances.yaml", CLUSTER_GRID)
+    compiled = loop.advance._cache_size()
     rc, _, stderr = cli("sweep", grid, "--output-dir", d / "out", "--progress", "--no-plots")
     assert rc == 0, stderr
-    return {"dir": d / "out", "rows": json.loads((d / "out" / "table.json").read_text())["rows"], "stderr": stderr}
+    return {"dir": d / "out", "rows": json.loads((d / "out" / "table.json").read_text())["rows"], "stderr": stderr,
+            "cluster_programs": loop.advance._cache_size() - compiled}
 
 
-@pytest.mark.slow  # two more compiled programs (the separate runs)
+@pytest.mark.slow  # two compiled cluster programs (the separate runs)
 def test_cluster_rows_equal_separate_runs(cluster_sweep, tmp_path):
-    """num-instances 1 (the single-instance lane), 2 and 4 (one cluster program with 4 instance
-    slots): every row equals a separate `blis-jax run --num-instances N` (which compiles its
-    own N slots), so the padding slots change nothing."""
+    """num-instances 1, 2 and 4 with round-robin routing: the sweep runs each instance as a
+    single-instance lane (cluster/decompose.py, no cluster program), and every row equals a
+    separate `blis-jax run --num-instances N` on the cluster engine."""
     rows = cluster_sweep["rows"]
     assert [(r["num-instances"], r["rate"]) for r in rows] == [(n, rate) for n in (1, 2, 4) for rate in (10, 30)]
-    compiled = loop.advance._cache_size()
+    assert cluster_sweep["cluster_programs"] == 0
     for row in rows:
         expected = run_metrics(tmp_path, "--num-instances", row["num-instances"], "--rate", row["rate"],
                                base=CLUSTER_BASE)
@@ -206,18 +208,20 @@ def test_cluster_rows_equal_separate_runs(cluster_sweep, tmp_path):
     # the instance count changes the outcome (at 30 req/s: saturated, nearly, not at all)
     ttft = {(r["num-instances"], r["rate"]): r["ttft_p99_ms"] for r in rows}
     assert ttft[1, 30] > ttft[2, 30] > ttft[4, 30]
-    # `run --num-instances 4` reused the sweep's program (4 slots); only 2 slots was new
-    assert loop.advance._cache_size() <= compiled + 1
     assert "6/6 scenarios" in cluster_sweep["stderr"]
 
 
-def test_cluster_no_recompile_when_only_instances_and_numbers_change(cluster_sweep, monkeypatch):
-    """Instance counts 2 and 3 (both within the 4 slots), other rates, seed and signal delays:
-    the cluster program compiled for the first grid runs them (tracing the loop now fails)."""
+def test_cluster_no_recompile_when_only_instances_and_numbers_change(monkeypatch):
+    """Cluster scenarios that need the cluster engine (a routing latency couples the
+    instances): instance counts 2 and 3 (within the 4 slots of the first grid's program), other
+    rates, seed and signal delays run on the program compiled for the first grid (tracing the
+    loop now fails)."""
+    first = {"base": {**CLUSTER_BASE, "routing-latency": 50}, "axes": {"num-instances": [4], "rate": [20]}}
+    assert run_sweep(parse_grid(first)).rows[0]["result"] == "ok"
     before = (loop.advance._cache_size(), cluster_sim._init._cache_size())
     monkeypatch.setattr(loop, "run_cluster", chex.assert_max_traces(loop.run_cluster, n=0))
     chex.clear_trace_counter()
-    other = {"base": {**CLUSTER_BASE, "seed": 7, "snapshot-refresh-interval": 10_000, "routing-latency": 50},
+    other = {"base": {**CLUSTER_BASE, "seed": 7, "snapshot-refresh-interval": 10_000, "routing-latency": 30},
              "axes": {"num-instances": [3, 2], "rate": [15, 25]}}
     table = run_sweep(parse_grid(other))
     assert (loop.advance._cache_size(), cluster_sim._init._cache_size()) == before

@@ -253,7 +253,7 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
         s = dataclasses.replace(s, sim_end=np.int64(max(int(s.sim_end), int(routed.max()) if len(routed) else 0)))
         lanes.append(to_output(s, dims, params, requests, code, readers[i], clock_sees_arrivals=False))
         admit_steps.append(np.asarray(s.out_admit_step[:n]))
-    fields = _combine(lanes, handled)
+    fields = combine(lanes, handled)
     views = None
     if pd:
         fields, views = _pd_parents(fields, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n)
@@ -262,7 +262,7 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
     return so.SimOutput(**fields, result=code), views
 
 
-def _combine(lanes: list[so.SimOutput], handled: np.ndarray) -> dict:
+def combine(lanes: list[so.SimOutput], handled: np.ndarray) -> dict:
     """SimOutput fields with each request's row taken from the instance `handled` names."""
     n = handled.shape[0]
     per_request = {name: np.zeros(n, dtype) for name, dtype in so._PER_REQUEST.items()}

@@ -231,7 +231,9 @@ def step_time_us(model: LatencyModel, feats: BatchFeatures) -> Int[Array, ""]:
 def decode_run_step_times_us(model: LatencyModel, feats: BatchFeatures, offsets) -> Int[Array, " K"]:
     """`step_time_us` of the decode-only batch `feats` with every context grown by each of
     `offsets` [K] (the steps of a decode run; engine/coast.py). Trained-physics depends on the
-    batch only through integer sums, so this is O(K) rather than O(K x slots)."""
+    batch only through integer sums, so this is O(K) rather than O(K x slots). Roofline sums
+    per-request floats: each step is evaluated on its own, as a single step would be (a
+    vectorized [K, slots] evaluation may round its sums differently)."""
     offsets = jnp.asarray(offsets, jnp.int64)
     if model.kind == "trained-physics":
         count = jnp.sum(feats.decode).astype(jnp.int64)
@@ -239,7 +241,8 @@ def decode_run_step_times_us(model: LatencyModel, feats: BatchFeatures, offsets)
         x = trained_physics.step_time_of_sums(model, trained_physics.decode_sums(count, ctx))
         x = jnp.where(count > 0, x, 0.0)
     else:
-        x = jax.vmap(lambda o: step_time_float(model, dataclasses.replace(feats, progress=feats.progress + o)))(offsets)
+        x = jax.lax.map(lambda o: step_time_float(model, dataclasses.replace(feats, progress=feats.progress + o)),
+                        offsets)
     return jnp.maximum(jnp.int64(1), truncate_us(x))
 
 

@@ -104,7 +104,7 @@ def run_lanes(
             grow = _run_chunk(lanes, chunk, plan, mesh, results, reduce)
             retry += grow
             if progress is not None:
-                progress.finished(len(chunk) - len(grow))
+                progress.finished(sum(getattr(lanes[i], "share", 1.0) for i in chunk if i not in grow))
         if retry:
             queue.append(_plan(lanes, retry, plan.growth * 4, plan.dims, max_batch, budget, mesh.size))
     return results

@@ -45,6 +45,7 @@ class InstanceLane:
     block_size: int = 16
     scheduler: str = "fcfs"
     preemption_policy: str = "fcfs"
+    share: float = 1.0  # of a scenario, for progress: 1/N for one of a cluster's N independent instances
 
     run = staticmethod(run_instance)
 

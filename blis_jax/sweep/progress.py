@@ -41,9 +41,15 @@ class SweepProgress:
         self.note = f"cluster {index}/{planned} ({what})"
         self._write(last=False)
 
-    def finished(self, count: int) -> None:
+    def finished(self, count: float) -> None:
+        """`count` more scenarios are done (a fraction for some instances of a cluster)."""
         self.done += count
-        self._write(last=self.done >= self.total)
+        self._write(last=self._done >= self.total)
+
+    @property
+    def _done(self) -> int:
+        """Whole scenarios done (fractions are summed in floating point)."""
+        return int(self.done + 1e-6)
 
     def _write(self, last: bool) -> None:
         now = time.monotonic()
@@ -55,7 +61,7 @@ class SweepProgress:
         filled = round(frac * BAR_WIDTH)
         bar = "#" * filled + "-" * (BAR_WIDTH - filled)
         eta = f"ETA {_duration(elapsed / self.done * (self.total - self.done))}" if self.done else "ETA ?"
-        line = (f"{self.prefix}: [{bar}] {self.done}/{self.total} scenarios, elapsed {_duration(elapsed)}, "
+        line = (f"{self.prefix}: [{bar}] {self._done}/{self.total} scenarios, elapsed {_duration(elapsed)}, "
                 f"{eta}" + (f"; {self.note}" if self.note and not last else ""))
         self.stream.write(f"\r{line}\x1b[K" if self.tty else line + "\n")
         self.stream.flush()
@@ -68,9 +74,9 @@ class SweepProgress:
         if self.tty and self.printed:
             self.stream.write("\n")
         elapsed = time.monotonic() - self.start
-        rate = f" ({self.done / elapsed:.2f} scenarios/s)" if elapsed > 0 else ""
+        rate = f" ({self._done / elapsed:.2f} scenarios/s)" if elapsed > 0 else ""
         where = f" on {self.devices} devices" if self.devices > 1 else ""
-        self.stream.write(f"{self.prefix}: {self.done}/{self.total} scenarios in {_duration(elapsed)}{rate}, "
+        self.stream.write(f"{self.prefix}: {self._done}/{self.total} scenarios in {_duration(elapsed)}{rate}, "
                           f"{self.batches} batch{'es' if self.batches != 1 else ''}{where}\n")
         self.stream.flush()
 

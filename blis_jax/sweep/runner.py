@@ -3,14 +3,20 @@
 Every scenario is resolved (workload generated, latency model built) before anything is
 simulated, so a bad value anywhere in the grid fails in seconds, not after the first batch.
 Single-instance scenarios with always-admit (`Scenario.single_instance`, as `blis-jax run`
-decides) run as lanes of batched programs; the others run on the cluster engine
-(`clusters.py`), grouped so that each structural group compiles once.
+decides) run as lanes of batched programs, and so do the instances of a cluster whose instances
+never interact (round-robin, always-admit, no latencies, no PD pools: `cluster/decompose.py`),
+merged afterwards; the others run on the cluster engine (`clusters.py`), grouped so that each
+structural group compiles once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
+from blis_jax.cluster import decompose
+from blis_jax.engine.params import INF_TIME
 from blis_jax.sweep import settings
 from blis_jax.sweep.batch import run_lanes
 from blis_jax.sweep.clusters import ClusterScenario, run_clusters
@@ -54,6 +60,7 @@ def run_sweep(
     specs = select_part(grid.scenarios(), part)
     once = _OnceDiagnostics(diag)
     lanes, clusters = [], []  # (position in specs, lane / cluster scenario)
+    split: dict[int, tuple] = {}  # position → (handled_by, members) of a cluster run as independent instances
     request_sets = []
     for k, spec in enumerate(specs):
         scenario, requests, params = settings.resolve(spec.settings, once, f"{grid.source}: {spec.label}")
@@ -62,6 +69,16 @@ def run_sweep(
                   "preemption_policy": scenario.preemption_policy}
         if scenario.single_instance:
             lanes.append((k, InstanceLane(**common)))
+        elif decompose.independent(scenario.cluster.validate(), requests):
+            n = scenario.cluster.num_instances
+            horizon = int(params.horizon_us)
+            handled = decompose.route(requests, n, horizon if horizon < INF_TIME else None)
+            members = [np.flatnonzero(handled == i) for i in range(n)]
+            split[k] = (handled, members)
+            for idx in members:
+                if len(idx):
+                    lanes.append((k, InstanceLane(**{**common, "requests": decompose.instance_requests(requests, idx)},
+                                                  share=1 / n)))
         else:
             clusters.append((k, ClusterScenario(cluster=scenario.cluster, kv_bytes_per_token=scenario.kv_bytes_per_token,
                                                 **common)))
@@ -71,6 +88,8 @@ def run_sweep(
 
     def reducer(positions):
         def reduce(i: int, out):
+            if positions[i] in split:  # one instance of a cluster: merged below
+                return out
             return out.result, scenario_metrics(out, request_sets[positions[i]])
         return reduce
 
@@ -79,8 +98,15 @@ def run_sweep(
         positions = [k for k, _ in lanes]
         done = run_lanes([lane for _, lane in lanes], reducer(positions), max_batch=max_batch,
                          memory_budget=memory_budget, devices=devices, progress=progress)
+        instance_outputs: dict[int, list] = {k: [] for k in split}
         for k, outcome in zip(positions, done):
-            outcomes[k] = outcome
+            if k in split:
+                instance_outputs[k].append(outcome)
+            else:
+                outcomes[k] = outcome
+        for k, (handled, members) in split.items():
+            out = decompose.merge(iter(instance_outputs[k]), members, handled)
+            outcomes[k] = out.result, scenario_metrics(out, request_sets[k])
     if clusters:
         positions = [k for k, _ in clusters]
         done = run_clusters([c for _, c in clusters], reducer(positions), progress=progress,
