@@ -189,4 +189,5 @@ def _allocate(state: EngineState, dims: EngineDims, params: EngineParams, req: R
     state = kv.register_full_blocks(state, dims, req, r_new.reshape(-1), new_ids.reshape(-1),
                                     block_index.reshape(-1), full_new.reshape(-1))
     filled = keyed & (nblocks > 0) & (spare > 0) & (k >= spare)
-    return kv.register_full_blocks(state, dims, req, r, last_blocks, last_index, filled)
+    # read back from the updated table (see kv.allocate_rows)
+    return kv.register_full_blocks(state, dims, req, r, row_blocks[rows, last_index], last_index, filled)

@@ -244,7 +244,9 @@ def allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, rows
     state = register_full_blocks(state, dims, req, r[owner], ids, block_index, full_new)
     was_partial = active & keyed & (nblocks > 0) & (nblocks * bs > kv)
     now_full = was_partial & (nblocks * bs <= new_kv)
-    return register_full_blocks(state, dims, req, r, last_blocks, last, now_full)
+    # Read from the updated table (same values): a read of the old one after the update makes
+    # XLA copy the whole table to keep it alive.
+    return register_full_blocks(state, dims, req, r, row_blocks[safe_rows, last], last, now_full)
 
 
 def cached_prefix(state: EngineState, dims: EngineDims, req: RequestArrays, r):
@@ -274,6 +276,10 @@ def claim_cached(state: EngineState, dims: EngineDims, row, blocks, n_hit, activ
     n_hit = jnp.where(active, n_hit, 0)
     use = j < n_hit
     row_target = jnp.where(active, row, dims.rows)
+    row_blocks = state.row_blocks.at[row_target].set(jnp.where(use, blocks, -1).astype(jnp.int32), mode="drop")
+    # `blocks` may come from the table just updated: read them back from the new table (see
+    # allocate_rows) rather than keep the old table alive.
+    blocks = row_blocks[jnp.minimum(row, dims.rows - 1)]
     target = jnp.where(use, blocks, dims.kv_blocks)
     was_free = use & state.block_free[jnp.maximum(blocks, 0)]
     return dataclasses.replace(
@@ -281,7 +287,7 @@ def claim_cached(state: EngineState, dims: EngineDims, row, blocks, n_hit, activ
         block_ref=state.block_ref.at[target].add(1, mode="drop"),
         block_free=state.block_free.at[target].set(False, mode="drop"),
         free_count=state.free_count - jnp.sum(was_free),
-        row_blocks=state.row_blocks.at[row_target].set(jnp.where(use, blocks, -1).astype(jnp.int32), mode="drop"),
+        row_blocks=row_blocks,
         row_nblocks=state.row_nblocks.at[row_target].set(n_hit.astype(jnp.int32), mode="drop"),
         kv_hits=state.kv_hits + n_hit,
     )
