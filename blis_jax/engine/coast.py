@@ -138,6 +138,7 @@ def _run(state: EngineState, dims: EngineDims, params: EngineParams, req: Reques
         row_run_last=state.row_run_last.at[at_row].set(state.steps + k - 1, mode="drop"),
         row_new=state.row_new.at[at_row].set(1, mode="drop"),
         steps=state.steps + k,
+        coasted_steps=state.coasted_steps + k,
         events=state.events + k,
         now=clock,
         sim_end=jnp.maximum(state.sim_end, clock),

@@ -175,6 +175,7 @@ class EngineState(eqx.Module):
     length_capped: Int64[Array, ""]
     total_input_tokens: Int64[Array, ""]
     steps: Int64[Array, ""]
+    coasted_steps: Int64[Array, ""]  # of those, run inside decode runs (coast.py)
     events: Int64[Array, ""]
     result: Int32[Array, ""]
 
@@ -290,6 +291,7 @@ def init_state(
         length_capped=i64(0),
         total_input_tokens=i64(0),
         steps=i64(0),
+        coasted_steps=i64(0),
         events=i64(0),
         result=i32(0),
     )
