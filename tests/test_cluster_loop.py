@@ -753,6 +753,7 @@ def test_round_robin_cluster_equals_independent_instances_d01():
 
 
 @needs_blis_diff  # the cluster program is D01's
+@pytest.mark.slow  # single-instance programs of their own (the default run has D01's)
 @pytest.mark.parametrize("horizon_us, instances", [(None, 4), (1_500_000, 3), (30_000, 4)])
 def test_round_robin_cluster_equals_independent_instances(horizon_us, instances):
     """Deadlines, prefix groups and a small KV cache (preemptions), with a horizon cutting the

@@ -70,7 +70,9 @@ def run(requests, settings: dict, model, scheduler: str, coast_steps: int) -> tu
     return out, seen[-1]
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+# Each scenario compiles two programs (runs off and on): one runs by default, the rest under -m slow.
+@pytest.mark.parametrize("name", [n if n == "kv_pressure_prefix_deadlines" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(SCENARIOS)])
 def test_decode_runs_change_nothing(name):
     kwargs, settings, kind, scheduler = SCENARIOS[name]
     requests = random_scenario(**kwargs)
