@@ -744,7 +744,23 @@ def independent_run(requests: RequestSet, settings: dict, model, cfg: ClusterCon
     return decompose.merge(outputs, members, handled)
 
 
+def test_independent_routing_is_round_robin_until_the_horizon():
+    """decompose.route: the k-th routed request goes to instance k mod N; arrivals stop at the
+    first one after the horizon (the cluster's arrival events are in arrival order)."""
+    requests = random_scenario(5, n=10, rate_rps=10.0)
+    assert decompose.route(requests, 3, None).tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]
+    horizon = int(requests.arrival_us[6])
+    assert decompose.route(requests, 4, horizon).tolist() == [0, 1, 2, 3, 0, 1, 2, -1, -1, -1]
+    cfg = ClusterConfig(num_instances=4)
+    assert decompose.independent(cfg, requests)
+    for coupled in (dict(routing_policy="least-loaded"), dict(admission_policy="token-bucket"),
+                    dict(routing_latency_us=10), dict(admission_latency_us=10),
+                    dict(prefill_instances=2, decode_instances=2)):
+        assert not decompose.independent(dataclasses.replace(cfg, **coupled), requests), coupled
+
+
 @needs_blis_diff
+@pytest.mark.slow  # four single-instance programs
 def test_round_robin_cluster_equals_independent_instances_d01():
     """D01 (4 instances, round-robin) as four single-instance runs: the same output, field by field."""
     c = case_inputs("D01")
