@@ -280,7 +280,8 @@ def check_final(out: so.SimOutput, requests, settings, model):
 # ----------------------------------------------------------------------------- tests
 
 
-@pytest.fixture(params=list(SCENARIOS))
+# The priority scenario compiles the priority scheduler's program of its own: slow.
+@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.slow) if n == "priority" else n for n in SCENARIOS])
 def name(request):
     return request.param
 

@@ -211,6 +211,7 @@ def test_cluster_rows_equal_separate_runs(cluster_sweep, tmp_path):
     assert "6/6 scenarios" in cluster_sweep["stderr"]
 
 
+@pytest.mark.slow  # compiles a cluster program (the default run checks no-recompile on lanes)
 def test_cluster_no_recompile_when_only_instances_and_numbers_change(monkeypatch):
     """Cluster scenarios that need the cluster engine (a routing latency couples the
     instances): instance counts 2 and 3 (within the 4 slots of the first grid's program), other
