@@ -47,6 +47,7 @@ def metrics_block(stdout: str) -> dict:
     return json.JSONDecoder().raw_decode(stdout, stdout.index(HEADER) + len(HEADER) + 1)[0]
 
 
+@pytest.mark.slow  # a full run of the converted spec (CI time)
 def test_convert_preset_then_run_workload_spec(tmp_path):
     rc, out, err = cli("convert", "preset", "--name", "chatbot", "--rate", 50, "--num-requests", 8)
     assert rc == 0 and err == ""

@@ -280,8 +280,10 @@ def check_final(out: so.SimOutput, requests, settings, model):
 # ----------------------------------------------------------------------------- tests
 
 
-# The priority scenario compiles the priority scheduler's program of its own: slow.
-@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.slow) if n == "priority" else n for n in SCENARIOS])
+# The priority scenario compiles the priority scheduler's program of its own, and the overload
+# scenario runs longest: slow (CI time).
+@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.slow) if n in ("priority", "overload") else n
+                        for n in SCENARIOS])
 def name(request):
     return request.param
 

@@ -106,6 +106,7 @@ def test_full_logs_set_a_growable_result_bit(step_log, run_log, bit):
     assert int(state.result) & bit and bit & results.GROWABLE
 
 
+@pytest.mark.slow  # its own program shape (CI time)
 def test_a_small_chunk_and_log_give_the_same_output_as_one_chunk():
     requests = random_scenario(11, n=60, rate_rps=80.0)
     params = params_from({**SETTINGS, "max_num_seqs": 16})
