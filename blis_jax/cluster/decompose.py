@@ -58,11 +58,11 @@ def merge(outputs, members: list[np.ndarray], handled: np.ndarray) -> so.SimOutp
             lanes.append(_idle(n))
             continue
         out = next(outputs)
+        # rows of other instances' requests stay zero: `combine` reads only this instance's
         fields = {}
         for name, dtype in so._PER_REQUEST.items():
-            full = np.full(n, -1 if name in ("ttft_us", "e2e_us", "sched_delay_us") else 0, dtype)
-            full[idx] = getattr(out, name)
-            fields[name] = full
+            fields[name] = np.zeros(n, dtype)
+            fields[name][idx] = getattr(out, name)
         runs = out.itl_runs.copy()
         runs[:, 0] = idx[runs[:, 0]]
         lanes.append(dataclasses.replace(out, **fields, itl_runs=runs))

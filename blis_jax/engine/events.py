@@ -58,9 +58,8 @@ def _next_enqueue_and_timeout(state: EngineState, req: RequestArrays):
 
 def next_event(state: EngineState, req: RequestArrays):
     """(kind, time) of the next event; time is INF_TIME when nothing is left."""
-    t_enqueue = jnp.minimum(_next_static_enqueue(state)[1], sessions.next_pending_round(state)[1])
+    t_enqueue, t_timeout = _next_enqueue_and_timeout(state, req)
     t_step = jnp.where(state.step_pending, state.next_step, INF_TIME)
-    t_timeout = jnp.minimum(_next_static_timeout(state, req)[1], sessions.next_follow_up_timeout(state)[1])
     kind = jnp.where(
         (t_enqueue <= t_step) & (t_enqueue <= t_timeout), ENQUEUE, jnp.where(t_step <= t_timeout, STEP, TIMEOUT)
     )
