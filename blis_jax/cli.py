@@ -43,6 +43,7 @@ from blis_jax.config import (
 from blis_jax.config.coefficients import check_alpha, check_beta
 from blis_jax.config.kv_capacity import kv_bytes_per_token
 from blis_jax.cluster.admission import ADMISSION_POLICIES
+from blis_jax.cluster.deployments import PoolDeployment
 from blis_jax.cluster.pd import PD_DECIDERS
 from blis_jax.cluster.routing import ROUTING_POLICIES
 from blis_jax.cluster.scorers import DEFAULT_PROFILE, SCORERS
@@ -156,6 +157,16 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="token-bucket size in prompt tokens (default 10000)")
     g.add_argument("--token-bucket-refill-rate", type=float, default=1_000, metavar="TOKENS_PER_S",
                    help="token-bucket refill, tokens/s (default 1000)")
+    g.add_argument("--tier-shed-threshold", type=int, default=0, metavar="REQUESTS",
+                   help="tier-shed: admit every class while the busiest instance's load (queue + batch + "
+                        "in flight) is at most this (default 0; BLIS's policy-bundle key tier_shed_threshold)")
+    g.add_argument("--tier-shed-min-priority", type=int, default=0, metavar="PRIORITY",
+                   help="tier-shed: above the threshold, admit classes of at least this priority (critical 4, "
+                        "standard 3, batch -1, sheddable -2, background -3; default 0)")
+    g.add_argument("--queue-depth-threshold", type=float, default=5.0, metavar="REQUESTS",
+                   help="gaie-legacy: queue depth at which an instance counts as saturated (default 5)")
+    g.add_argument("--kv-cache-util-threshold", type=float, default=0.8, metavar="FRACTION",
+                   help="gaie-legacy: KV utilization at which an instance counts as saturated (default 0.8)")
     g.add_argument("--admission-latency", type=int, default=0, metavar="US",
                    help="arrival → admission decision, µs (default 0)")
     g.add_argument("--routing-latency", type=int, default=0, metavar="US",
@@ -190,6 +201,15 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="weighted routing inside the prefill pool (default: the routing policy)")
     g.add_argument("--decode-routing-scorers", default=None, metavar="NAME:W,...",
                    help="weighted routing inside the decode pool (default: the routing policy)")
+    for pool in ("prefill", "decode"):
+        g.add_argument(f"--{pool}-hardware", default=None, metavar="GPU",
+                       help=f"GPU of the {pool} pool (default: --hardware); its KV blocks are re-derived "
+                            "from it unless --total-kv-blocks is given")
+        g.add_argument(f"--{pool}-tp", type=int, default=None, metavar="TP",
+                       help=f"tensor-parallel degree of the {pool} pool (default: --tp)")
+        g.add_argument(f"--{pool}-max-model-len", type=int, default=0, metavar="TOKENS",
+                       help=f"max-model-len of the {pool} pool (default 0: --max-model-len, else derived "
+                            "from the pool's KV capacity)")
 
     g = p.add_argument_group("model, hardware and latency")
     g.add_argument("--model", default=DEFAULT_MODEL,
@@ -500,6 +520,8 @@ class Scenario:
     horizon_us: int | None
     cluster: ClusterConfig = ClusterConfig()
     kv_bytes_per_token: float = 0.0  # per GPU (sizes PD KV transfers)
+    prefill_pool: PoolDeployment | None = None  # PD pools on their own hardware / TP
+    decode_pool: PoolDeployment | None = None
 
     @property
     def single_instance(self) -> bool:
@@ -518,6 +540,8 @@ def cluster_config(args) -> ClusterConfig:
         num_instances=args.num_instances, routing_policy=args.routing_policy, routing_scorers=args.routing_scorers,
         admission_policy=args.admission_policy, token_bucket_capacity=args.token_bucket_capacity,
         token_bucket_refill_rate=args.token_bucket_refill_rate,
+        tier_shed_threshold=args.tier_shed_threshold, tier_shed_min_priority=args.tier_shed_min_priority,
+        queue_depth_threshold=args.queue_depth_threshold, kv_cache_util_threshold=args.kv_cache_util_threshold,
         snapshot_refresh_interval_us=args.snapshot_refresh_interval, cache_signal_delay_us=args.cache_signal_delay,
         admission_latency_us=args.admission_latency, routing_latency_us=args.routing_latency, seed=args.seed,
         prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
@@ -627,15 +651,9 @@ def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> Scenari
 
     block = args.block_size_in_tokens
     blocks = _kv_blocks(args, arch, gpu, tp, diag)
-    if args.max_model_len > 0:
-        max_model_len = args.max_model_len
-        needed = -(-max_model_len // block)
-        if needed > blocks:
-            raise ConfigError(f"--max-model-len {max_model_len} needs {needed} KV blocks of {block} "
-                              f"tokens but the instance has {blocks}; lower --max-model-len or raise "
-                              "--total-kv-blocks")
-    else:
-        max_model_len = auto_max_model_len(arch, blocks, block)
+    max_model_len = _max_model_len("--max-model-len", args.max_model_len, arch, blocks, block)
+    pools = {pool: _pool_deployment(args, pool, cluster, arch, kind, alpha, beta, gpu, tp, diag)
+             for pool in ("prefill", "decode")}
     return Scenario(
         latency_model=latency_model, model_id=arch.hf_id, hardware=gpu.name, tp=tp,
         latency_kind=kind, total_kv_blocks=blocks, max_model_len=max_model_len, block_size=block,
@@ -643,7 +661,47 @@ def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> Scenari
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduler=args.scheduler, preemption_policy=args.preemption_policy, horizon_us=horizon_us,
         cluster=cluster, kv_bytes_per_token=kv_bytes_per_token(arch, tp),
+        prefill_pool=pools["prefill"], decode_pool=pools["decode"],
     )
+
+
+def _max_model_len(flag: str, value: int, arch, blocks: int, block: int) -> int:
+    """An explicit max-model-len (checked against the KV capacity), else BLIS's auto value."""
+    if value < 0:
+        raise ConfigError(f"{flag} {value}: must be >= 0 (0 = auto)")
+    if value == 0:
+        return auto_max_model_len(arch, blocks, block)
+    needed = -(-value // block)
+    if needed > blocks:
+        raise ConfigError(f"{flag} {value} needs {needed} KV blocks of {block} tokens but the instance has "
+                          f"{blocks}; lower {flag} or raise --total-kv-blocks")
+    return value
+
+
+def _pool_deployment(args, pool: str, cluster: ClusterConfig, arch, kind, alpha, beta, base_gpu, base_tp: int,
+                     diag: Diagnostics) -> PoolDeployment | None:
+    """A PD pool's own deployment when any of its --<pool>-hardware/-tp/-max-model-len is set
+    (blis-features §3.10: per-pool overrides, pool KV capacity recomputed)."""
+    hardware, tp, mml = (getattr(args, f"{pool}_{name}") for name in ("hardware", "tp", "max_model_len"))
+    if hardware is None and tp is None and not mml:
+        return None
+    if not cluster.pd:
+        raise ConfigError(f"--{pool}-hardware/--{pool}-tp/--{pool}-max-model-len configure a PD pool: set "
+                          "--prefill-instances and --decode-instances")
+    if tp is not None and tp < 1:
+        raise ConfigError(f"--{pool}-tp {tp}: the tensor-parallel degree must be >= 1 (omit it to use --tp)")
+    gpu = load_gpu(hardware) if hardware is not None else base_gpu
+    tp = base_tp if tp is None else tp
+    try:
+        model = build_latency_model(kind, arch, gpu, tp, alpha=alpha, beta=beta)
+    except ConfigError as e:
+        raise ConfigError(f"--{pool}-tp / --{pool}-hardware: {e}") from None
+    blocks = _kv_blocks(args, arch, gpu, tp, diag)
+    block = args.block_size_in_tokens
+    flag = f"--{pool}-max-model-len" if mml else "--max-model-len"
+    max_model_len = _max_model_len(flag, mml or args.max_model_len, arch, blocks, block)
+    return PoolDeployment(latency_model=model, total_kv_blocks=blocks, max_model_len=max_model_len,
+                          hardware=gpu.name, tp=tp, kv_bytes_per_token=kv_bytes_per_token(arch, tp))
 
 
 def _check_output_paths(args) -> None:
@@ -735,7 +793,9 @@ def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO, ses
             out = simulate_instance(requests, params, scenario.latency_model, **settings)
         else:
             out, views = simulate_cluster_views(requests, params, scenario.latency_model, scenario.cluster,
-                                                kv_bytes_per_token=scenario.kv_bytes_per_token, **settings)
+                                                kv_bytes_per_token=scenario.kv_bytes_per_token,
+                                                prefill_pool=scenario.prefill_pool, decode_pool=scenario.decode_pool,
+                                                **settings)
     finally:
         if reporter is not None:
             reporter.close()

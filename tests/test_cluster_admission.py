@@ -1,4 +1,6 @@
-"""Cluster admission (blis-features §3.3): always-admit, reject-all, token-bucket."""
+"""Cluster admission (blis-features §3.3): always-admit, reject-all, token-bucket, and the
+load-reading tier-shed and gaie-legacy (decisions on hand-built RouterStates here; in the
+cluster loop in test_cluster_loop.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 from shared_data import needs_blis_diff
 
 from blis_jax.cluster import admission as adm
+from blis_jax.cluster import signals
 from blis_jax.errors import ConfigError
 
 
@@ -151,7 +154,8 @@ def test_bad_token_bucket_flags(kwargs, flag):
 
 
 def test_unknown_policy_names_the_flag_and_choices():
-    with pytest.raises(ConfigError, match="--admission-policy.*always-admit, token-bucket, reject-all"):
+    with pytest.raises(ConfigError, match="--admission-policy.*always-admit, token-bucket, reject-all, tier-shed, "
+                                          "gaie-legacy"):
         adm.make_admission("tokenbucket")
 
 
@@ -178,3 +182,92 @@ def test_blis_diff_e01_token_bucket_rejections():
     admitted_ids = {r.request_id for r, ok in zip(reqs, oks) if ok}
     assert admitted_ids == set(case.request_metrics)
     assert case.metrics["injected_requests"] == len(admitted_ids)
+
+
+# ================================================================ tier-shed and gaie-legacy
+
+
+def router_state(queue_depth, batch_size, in_flight, kv_utilization, active):
+    n = len(queue_depth)
+    live = signals.InstanceSignals(
+        queue_depth=jnp.asarray(queue_depth, jnp.int64), batch_size=jnp.asarray(batch_size, jnp.int64),
+        kv_utilization=jnp.asarray(kv_utilization, jnp.float64), free_kv_blocks=jnp.zeros(n, jnp.int64),
+        kv_tokens_in_use=jnp.zeros(n, jnp.int64), kv_tokens_capacity=jnp.zeros(n, jnp.int64),
+        cache_hit_rate=jnp.zeros(n, jnp.float64), preemption_count=jnp.zeros(n, jnp.int64))
+    return signals.RouterState(signals=live, in_flight=jnp.asarray(in_flight, jnp.int64),
+                               active=jnp.asarray(active, bool))
+
+
+def decide_loaded(policy, priority, rs):
+    return bool(adm.admit(policy, jnp.int64(0), jnp.int64(100), jnp.int64(priority), rs)[1])
+
+
+def test_cluster_priorities_are_the_gaie_convention():
+    from blis_jax.workload.requests import slo_priority
+    got = {c: int(adm.cluster_priority(slo_priority(c))) for c in
+           ("critical", "standard", "", "batch", "sheddable", "background", "unknown")}
+    assert got == {"critical": 4, "standard": 3, "": 3, "batch": -1, "sheddable": -2, "background": -3, "unknown": 3}
+
+
+def test_tier_shed_sheds_low_classes_above_the_busiest_load():
+    policy = adm.make_admission("tier-shed", tier_shed_threshold=6)
+    assert policy.reads_state and not adm.make_admission("token-bucket").reads_state
+    # loads 1+2+3 = 6 and 0; the inactive slot's 50 does not count
+    calm = router_state([1, 0, 50], [2, 0, 0], [3, 0, 0], [0.0, 0.0, 0.0], [True, True, False])
+    busy = router_state([1, 0, 50], [2, 0, 0], [4, 0, 0], [0.0, 0.0, 0.0], [True, True, False])
+    for priority in (4, 3, 0, -1, -2, -3):
+        assert decide_loaded(policy, priority, calm)
+        assert decide_loaded(policy, priority, busy) == (priority >= 0)
+    strict = adm.make_admission("tier-shed", tier_shed_threshold=6, tier_shed_min_priority=4)
+    assert [decide_loaded(strict, p, busy) for p in (4, 3, -2)] == [True, False, False]
+    nobody = router_state([9], [9], [9], [0.0], [False])  # no routable instance: load 0
+    assert decide_loaded(adm.make_admission("tier-shed"), -2, nobody)
+
+
+def test_gaie_legacy_sheds_sheddable_requests_at_saturation():
+    policy = adm.make_admission("gaie-legacy", queue_depth_threshold=4, kv_cache_util_threshold=0.5)
+    # per instance max(QD/4, KV/0.5): 0.5 and 1.4 -> mean 0.95; the inactive one is ignored
+    below = router_state([2, 0, 99], [0, 0, 0], [0, 0, 0], [0.1, 0.7, 1.0], [True, True, False])
+    at = router_state([2, 2, 99], [0, 0, 0], [0, 0, 0], [0.1, 0.75, 1.0], [True, True, False])  # 0.5, 1.5
+    assert float(adm.saturation(below, 4.0, 0.5)) == pytest.approx(0.95)
+    assert float(adm.saturation(at, 4.0, 0.5)) == pytest.approx(1.0)
+    for priority in (4, 3, 0):
+        assert decide_loaded(policy, priority, below) and decide_loaded(policy, priority, at)
+    for priority in (-1, -2, -3):
+        assert decide_loaded(policy, priority, below) and not decide_loaded(policy, priority, at)
+    nobody = router_state([0], [0], [0], [0.0], [False])  # saturation 1 without routable instances
+    assert not decide_loaded(policy, -2, nobody) and decide_loaded(policy, 3, nobody)
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"tier_shed_threshold": -1}, "--tier-shed-threshold"),
+    ({"tier_shed_min_priority": 0.5}, "--tier-shed-min-priority"),
+])
+def test_bad_tier_shed_flags(kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        adm.make_admission("tier-shed", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"queue_depth_threshold": 0}, "--queue-depth-threshold"),
+    ({"kv_cache_util_threshold": float("nan")}, "--kv-cache-util-threshold"),
+])
+def test_bad_gaie_flags(kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        adm.make_admission("gaie-legacy", **kwargs)
+
+
+def test_cli_flags_reach_the_load_reading_policies():
+    from blis_jax.cli import build_parser, cluster_config
+
+    def policy(*flags):
+        return cluster_config(build_parser().parse_args(["run", "--num-instances", "2", *flags])).admission()
+
+    shed = policy("--admission-policy", "tier-shed", "--tier-shed-threshold", "7", "--tier-shed-min-priority", "3")
+    assert isinstance(shed, adm.TierShed) and (int(shed.threshold), int(shed.min_priority)) == (7, 3)
+    gaie = policy("--admission-policy", "gaie-legacy", "--queue-depth-threshold", "2", "--kv-cache-util-threshold",
+                  "0.5")
+    assert isinstance(gaie, adm.GaieLegacy)
+    assert (float(gaie.qd_threshold), float(gaie.kv_threshold)) == (2.0, 0.5)
+    with pytest.raises(ConfigError, match="--queue-depth-threshold"):
+        policy("--admission-policy", "gaie-legacy", "--queue-depth-threshold", "-1")

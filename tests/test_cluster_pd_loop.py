@@ -7,7 +7,12 @@ decode instance that served each request, every cluster aggregate and every per-
 block. E07 routes each pool with its own scorers, whose ties BLIS breaks with Go's math/rand:
 its cluster aggregates are compared within the issue's 2 % (slow: a second compiled program).
 
-The horizon tests reuse E05's compiled program (horizon, bandwidth and seed are dynamic).
+The horizon tests reuse E05's compiled program (horizon, bandwidth and seed are dynamic), and
+so do the per-pool deployment tests (`--prefill-tp`, `--decode-hardware`, ...: each slot's
+latency model, KV blocks and max-model-len are numbers of that program): a prefill pool at TP 2
+must give exactly what the mirrored setting gives (TP 2 cluster-wide, decode pool back at TP 1),
+with transfers sized by the prefill pool's TP; a decode pool on other hardware, with the decider
+`never`, must serve requests exactly as a plain cluster of that hardware does.
 """
 
 from __future__ import annotations
@@ -21,8 +26,14 @@ from engine_helpers import case_dir, latency_model, params_from
 from shared_data import needs_blis_diff
 
 from blis_jax import latency
-from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster_views
-from blis_jax.config import load_model
+from blis_jax.cluster import pd
+from blis_jax.cluster.deployments import PoolDeployment
+from blis_jax.cluster.simulate import (
+    ClusterConfig,
+    simulate_cluster,
+    simulate_cluster_views,
+)
+from blis_jax.config import load_gpu, load_model
 from blis_jax.config.kv_capacity import kv_bytes_per_token
 from blis_jax.engine import output as so
 from blis_jax.metrics import metrics_output
@@ -146,3 +157,56 @@ def test_e07_cluster_aggregates_within_2_percent():
     assert got["completed_requests"] == metrics["completed_requests"]
     for key in ("ttft_mean_ms", "e2e_mean_ms", "itl_mean_ms"):
         assert got[key] == pytest.approx(metrics[key], rel=0.02), key
+
+
+# ================================================================== pools on their own hardware / TP
+
+
+def pool_deployment(tp: int, hardware: str = "H100") -> PoolDeployment:
+    c, *_ = case("E05")
+    return PoolDeployment(latency_model=latency_model(c["model"], hardware, tp, c["latency_model"]),
+                          total_kv_blocks=c["total_kv_blocks"], max_model_len=c["max_model_len"],
+                          hardware=load_gpu(hardware).name, tp=tp,
+                          kv_bytes_per_token=kv_bytes_per_token(load_model(c["model"]), tp))
+
+
+PER_REQUEST = ("status", "ttft_us", "e2e_us", "itl_sum_us", "num_itl", "sched_delay_us", "output_tokens")
+
+
+def test_prefill_pool_tp_equals_its_mirror_and_sizes_the_transfers():
+    c, requests, model, *_ = case("E05")
+    tp1, tp2 = pool_deployment(1), pool_deployment(2)
+    params = params_from(c)
+    out, views = simulate_cluster_views(requests, params, model, config(c), kv_bytes_per_token=tp1.kv_bytes_per_token,
+                                        prefill_pool=tp2)
+    mirror, mirror_views = simulate_cluster_views(requests, params, tp2.latency_model, config(c),
+                                                  kv_bytes_per_token=tp2.kv_bytes_per_token, decode_pool=tp1)
+    assert out.result == mirror.result == 0
+    for name in (*PER_REQUEST, "handled_by", "itl_step_us", "itl_runs"):
+        np.testing.assert_array_equal(getattr(out, name), getattr(mirror, name), err_msg=name)
+    np.testing.assert_array_equal(views.transfer_us, mirror_views.transfer_us)
+    # every request is transferred, for the prefill pool's TP-2 bytes per token
+    want = pd.transfer_time_us(config(c).pd_config(), requests.input_len, 16, tp2.kv_bytes_per_token)
+    np.testing.assert_array_equal(views.transfer_us, np.asarray(want))
+    assert views.transfer_us.mean() < e05()[1].transfer_us.mean()  # half the bytes per GPU of TP 1
+    # the prefill steps are TP-2 steps: the requests reach their decode instance at other times
+    assert so.is_completed(out.status).all()
+    assert (out.ttft_us != e05()[0].ttft_us).mean() > 0.5
+
+
+def test_decode_pool_hardware_serves_as_a_plain_cluster_of_that_hardware():
+    c, requests, model, *_ = case("E05")
+    a100 = pool_deployment(2, "A100-80")
+    out, views = simulate_cluster_views(requests, params_from(c), model, config(c, pd_decider="never"),
+                                        kv_bytes_per_token=kv_bytes_per_token(load_model(c["model"]), 1),
+                                        decode_pool=a100)
+    plain = simulate_cluster(requests, params_from(c), a100.latency_model,
+                             ClusterConfig(num_instances=2, seed=c["seed"]))
+    assert not views.disaggregated.any()
+    for name in PER_REQUEST:
+        np.testing.assert_array_equal(getattr(out, name), getattr(plain, name), err_msg=name)
+    np.testing.assert_array_equal(out.handled_by, plain.handled_by + 2)
+    np.testing.assert_array_equal(np.sort(out.itl_step_us), np.sort(plain.itl_step_us))
+    # and A100 steps are not H100 steps: the same requests on the base deployment differ
+    h100, _ = run("E05", pd_decider="never")
+    assert not np.array_equal(h100.e2e_us, out.e2e_us)

@@ -13,7 +13,9 @@ event instead of one heap pop per instance event.
 
 Cluster events are the requests' arrivals in arrival order (admission at arrival +
 admission latency, routing at that + routing latency; both latencies are constants, so the
-routing order is the arrival order). Router-side state (`ClusterState`): the admission
+routing order is the arrival order). An admission policy that reads the cluster's load
+(tier-shed, gaie-legacy) decides at its own event, at the admission time, before any routing
+decision of the same tick. Router-side state (`ClusterState`): the admission
 policy, the in-flight counts (routed − left, always current), the stale signal snapshot and
 cache signal, the routing policy state, and per request the serving instance.
 """
@@ -30,8 +32,8 @@ from jaxtyping import Array, Bool, Float64, Int32, Int64, PRNGKeyArray
 
 from blis_jax import latency
 from blis_jax.cluster import admission as adm
+from blis_jax.cluster import deployments, routing, signals
 from blis_jax.cluster import pd as pd_rules
-from blis_jax.cluster import routing, signals
 from blis_jax.cluster import scorers as sc
 from blis_jax.cluster import transfers as xfer
 from blis_jax.cluster._numerics import exact_div
@@ -58,6 +60,7 @@ class ClusterDims:
     prefill_scorers: tuple[str, ...] = ()  # pool scorer names (weighted pool routing); () = the policy
     decode_scorers: tuple[str, ...] = ()
     transfers: int = 1  # KV transfers in flight at once (pd)
+    admission_reads_state: bool = False  # tier-shed / gaie-legacy: admissions are events of their own
 
     @property
     def all_scorers(self) -> tuple[str, ...]:
@@ -77,7 +80,7 @@ class ClusterDims:
         """Routing reads only router-owned state and the stale snapshots, so every arrival
         before the next snapshot or cache refresh can be routed before the instances have run
         up to it (the decisions are the same: nothing they read changes in between)."""
-        if self.pd:
+        if self.pd or self.admission_reads_state:
             return False
         if self.routing_policy == "round-robin":
             return True
@@ -94,11 +97,14 @@ class ClusterParams(eqx.Module):
     decode_role: Bool[Array, " I"]  # pd: the decode pool
     pd: pd_rules.PDConfig | None  # decider and transfer settings (None without pools)
     kv_bytes_per_token: Float64[Array, ""]  # per GPU of the prefill pool's TP (transfer sizes)
+    total_kv_blocks: Int64[Array, " I"]  # each slot's own (deployments.py); the engine params' is unused
+    max_model_len: Int64[Array, " I"]
 
 
 class ClusterState(eqx.Module):
     instances: EngineState  # every leaf has a leading instance axis [I, ...]
-    next_request: Int32[Array, ""]  # cluster events processed (requests in arrival order)
+    next_request: Int32[Array, ""]  # routing decisions made (requests in arrival order)
+    next_admission: Int32[Array, ""]  # admission decisions made, when they are events of their own
     admission: adm.AbstractAdmission
     routed: Int64[Array, " I"]  # requests routed to each instance so far
     snapshot: signals.Snapshot
@@ -119,9 +125,10 @@ class ClusterState(eqx.Module):
 # ---------------------------------------------------------------------------- what the router reads
 
 
-def live_signals(instances: EngineState, params: EngineParams, block_size: int) -> signals.InstanceSignals:
+def live_signals(instances: EngineState, total_kv_blocks: Int64[Array, " I"], block_size: int
+                 ) -> signals.InstanceSignals:
     """Instance-reported signals from the live (stacked) engine states."""
-    total = params.total_kv_blocks
+    total = total_kv_blocks
     used = total - instances.free_count
     lookups = instances.kv_hits + instances.kv_misses
     return signals.InstanceSignals(
@@ -130,7 +137,7 @@ def live_signals(instances: EngineState, params: EngineParams, block_size: int) 
         kv_utilization=exact_div(used.astype(jnp.float64), total.astype(jnp.float64)),
         free_kv_blocks=instances.free_count,
         kv_tokens_in_use=used * block_size,
-        kv_tokens_capacity=jnp.broadcast_to(total * block_size, used.shape),
+        kv_tokens_capacity=total * block_size,
         cache_hit_rate=jnp.where(lookups > 0, exact_div(instances.kv_hits.astype(jnp.float64),
                                                         jnp.maximum(lookups, 1).astype(jnp.float64)), 0.0),
         preemption_count=instances.preemptions,
@@ -186,14 +193,15 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
     """`profiles` = (routing profile, prefill pool profile, decode pool profile), each or None."""
     dims, i = cd.engine, cd.num_instances
     never = jnp.full(dims.num_requests, INF_TIME, jnp.int64)
-    one = inbox.empty(init_state(dims, req, never, params.horizon_us, params.total_kv_blocks))
-    instances = jax.tree.map(lambda x: jnp.broadcast_to(x, (i, *x.shape)), one)
+    instances = jax.vmap(lambda blocks: inbox.empty(init_state(dims, req, never, params.horizon_us, blocks)))(
+        cparams.total_kv_blocks)
     frozen = (group_blocks_cached(instances, dims) if cd.reads_prefix_cache else jnp.zeros((i, 1, 1), bool))
     n = dims.num_requests
     profile, prefill_profile, decode_profile = profiles
     return ClusterState(
         instances=instances,
         next_request=jnp.asarray(0, jnp.int32),
+        next_admission=jnp.asarray(0, jnp.int32),
         admission=admission,
         routed=jnp.zeros(i, jnp.int64),
         snapshot=dataclasses.replace(signals.init_snapshot(i), interval_us=jnp.asarray(snapshot_interval_us, jnp.int64)),
@@ -229,6 +237,16 @@ def next_arrival(cs: ClusterState, cparams: ClusterParams, params: EngineParams,
     return r, jnp.where(left, t_admit, INF_TIME), jnp.where(left, t_route, INF_TIME)
 
 
+def next_admission(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays):
+    """(request, admission time) of the next admission decision of a state-reading policy;
+    INF_TIME when none is left (as `next_arrival`, for requests routed before the horizon)."""
+    n = req.arrival.shape[0]
+    r = jnp.minimum(cs.next_admission, n - 1)
+    t_admit = req.arrival[r] + cparams.admission_latency_us
+    left = (cs.next_admission < n) & req.valid[r] & (t_admit + cparams.routing_latency_us <= params.horizon_us)
+    return r, jnp.where(left, t_admit, INF_TIME)
+
+
 def next_cluster_time(cs: ClusterState, cparams, params, req):
     _, _, t_route = next_arrival(cs, cparams, params, req)
     _, t_done = xfer.next_done(cs.transfers)
@@ -252,9 +270,12 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
             t_route, on):
     """Admission and routing of request r. Returns (state, instance to inject it into now: its
     serving instance, or with disaggregation its prefill instance; -1 when rejected)."""
-    policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r])
+    if cd.admission_reads_state:  # decided at its own event (`_admission_event`)
+        policy, admitted = cs.admission, ~cs.rejected[r]
+    else:
+        policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r])
     admitted = admitted & on
-    live = live_signals(cs.instances, params, cd.engine.block_size)
+    live = live_signals(cs.instances, cparams.total_kv_blocks, cd.engine.block_size)
     # A RouterState build re-reads the stale signals of the instances it covers: all of them,
     # or with PD pools the decode pool (then the prefill pool, for a disaggregated request).
     covered = cparams.active & cparams.decode_role if cd.pd else cparams.active
@@ -329,12 +350,32 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     return decided, jnp.where(disaggregated, prefill, target)
 
 
+def _admission_event(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, on):
+    """AdmissionDecision of a state-reading policy: a RouterState build at the admission time
+    over every routable instance (refreshing the stale snapshot, as a routing build does)."""
+    r, t_admit = next_admission(cs, cparams, params, req)
+    live = live_signals(cs.instances, cparams.total_kv_blocks, cd.engine.block_size)
+    snapshot = signals.refresh(cs.snapshot, live, t_admit, cparams.active)
+    in_flight = jnp.maximum(cs.routed - cs.instances.finished, 0)
+    rs = signals.router_state(snapshot, in_flight, cparams.active)
+    policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r], adm.cluster_priority(req.priority[r]), rs)
+    n = cs.rejected.shape[0]
+    return dataclasses.replace(
+        cs,
+        admission=jax.tree.map(lambda a, b: jnp.where(on, a, b), policy, cs.admission),
+        snapshot=jax.tree.map(lambda a, b: jnp.where(on, a, b), snapshot, cs.snapshot),
+        rejected=cs.rejected.at[jnp.where(on & ~admitted, r, n)].set(True, mode="drop"),
+        next_admission=cs.next_admission + on,
+    )
+
+
 def _arrival_event(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, model, on):
     r, t_admit, t_route = next_arrival(cs, cparams, params, req)
     cs, inject_at = _decide(cs, cd, params, cparams, req, r, t_admit, t_route, on)
-    enqueue_at = t_route + latency.queueing_time_us(model, req.input_len[r])
+    # the arrival → enqueue delay of the instance that receives the request (its own alpha)
+    enqueue_at = t_route + jax.vmap(latency.queueing_time_us, in_axes=(0, None))(model, req.input_len[r])
     mine = jnp.arange(cd.num_instances) == inject_at
-    instances = jax.vmap(inbox.inject, in_axes=(0, None, None, None, 0))(cs.instances, cd.engine, r, enqueue_at, mine)
+    instances = jax.vmap(inbox.inject, in_axes=(0, None, None, 0, 0))(cs.instances, cd.engine, r, enqueue_at, mine)
     return dataclasses.replace(cs, instances=instances)
 
 
@@ -358,13 +399,13 @@ def _start_transfers(cs: ClusterState, cd: ClusterDims, params, cparams: Cluster
         return ops[-1] & jnp.any(pending(c))
 
     def body(c, ops, on):
-        params, cparams, req, now, _ = ops
+        _, cparams, req, now, _ = ops
         i = jnp.argmax(pending(c))
         r = c.instances.exit_req[i, c.exits_read[i] % e]
         decode = c.transfers.decode_target[r]
         lane = on & (jnp.arange(cd.num_instances) == decode)
-        instances, reserved = jax.vmap(transfer.reserve, in_axes=(0, None, None, None, 0, None))(
-            c.instances, cd.engine, req, r, lane, params.total_kv_blocks)
+        instances, reserved = jax.vmap(transfer.reserve, in_axes=(0, None, None, None, 0, 0))(
+            c.instances, cd.engine, req, r, lane, cparams.total_kv_blocks)
         reserved = jnp.any(reserved & lane)
         duration = pd_rules.transfer_time_us(cparams.pd, req.input_len[r], cd.engine.block_size,
                                              cparams.kv_bytes_per_token, xfer.in_flight(c.transfers) + 1)
@@ -379,14 +420,15 @@ def _start_transfers(cs: ClusterState, cd: ClusterDims, params, cparams: Cluster
     return masked_while(more, body, cs, (params, cparams, req, now, on))
 
 
-def _instances_until(cs: ClusterState, cd: ClusterDims, params, req, out_len, model, limits, until):
-    """Every instance through its events before `until[i]`; `limits[i]` caps its event count."""
+def _instances_until(cs: ClusterState, cd: ClusterDims, lparams, req, out_len, model, limits, until):
+    """Every instance through its events before `until[i]`; `limits[i]` caps its event count.
+    `lparams` and `model` are per slot (leading instance axis)."""
 
-    def one(state, output_len, limit, until):
+    def one(state, params, model, output_len, limit, until):
         lane_req = dataclasses.replace(req, output_len=output_len)
         return engine.run_until(cd.engine, state, params, lane_req, model, limit, until)
 
-    return dataclasses.replace(cs, instances=jax.vmap(one)(cs.instances, out_len, limits, until))
+    return dataclasses.replace(cs, instances=jax.vmap(one)(cs.instances, lparams, model, out_len, limits, until))
 
 
 def _caught_up(cs: ClusterState, params, req, out_len, until):
@@ -458,27 +500,39 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
     transfer (a cluster event at that step's tick), so the instances first run only up to the
     earliest prefill-pool event; if that comes first, the prefill pool runs that tick alone
     and the transfers it starts are processed before anything later.
+
+    `model` holds every slot's latency model (leaves with a leading instance axis, see
+    deployments.py); `params` the cluster-wide engine settings, whose KV blocks and
+    max-model-len each slot takes from `cparams` instead.
     """
     out_len = lane_output_len(cparams, req)
+    lparams = deployments.lane_params(params, cparams.total_kv_blocks, cparams.max_model_len)
 
     def cond(c, ops):
-        params, cparams, req, out_len, _, limit = ops
+        params, _, cparams, req, out_len, _, limit = ops
         return ~finished(c, cparams, params, req, out_len) & jnp.all(c.instances.events < limit)
 
     def body(c, ops, on):
-        params, cparams, req, out_len, model, limit = ops
+        params, lparams, cparams, req, out_len, model, limit = ops
         t_cluster = next_cluster_time(c, cparams, params, req)
+        if cd.admission_reads_state:
+            _, t_admission = next_admission(c, cparams, params, req)
+            t_cluster = jnp.minimum(t_cluster, t_admission)
         t_prefill = _next_prefill_time(c, cparams, params, req, out_len) if cd.pd else INF_TIME
         # A prefill tick first: the prefill pool runs that tick (its earlier events are none),
         # the others only up to it; else everyone runs up to the cluster event.
         prefill_tick = t_prefill < t_cluster
         until = jnp.minimum(t_cluster, t_prefill) + (prefill_tick & cparams.prefill_role)
-        c = _instances_until(c, cd, params, req, out_len, model, jnp.full(cd.num_instances, jnp.where(on, limit, 0)),
+        c = _instances_until(c, cd, lparams, req, out_len, model, jnp.full(cd.num_instances, jnp.where(on, limit, 0)),
                              until)
         caught = on & _caught_up(c, params, req, out_len, until) & ~overflowed(c)
         if cd.pd:
             c = _start_transfers(c, cd, params, cparams, req, t_prefill, caught & prefill_tick)
         go = caught & ~prefill_tick & (t_cluster < INF_TIME)
+        if cd.admission_reads_state:  # AdmissionDecision (priority 1) before RoutingDecision (2)
+            is_admission = t_admission <= t_cluster
+            c = _admission_event(c, cd, params, cparams, req, go & is_admission)
+            go = go & ~is_admission
         _, _, t_route = next_arrival(c, cparams, params, req)
         is_arrival = t_route <= t_cluster  # arrivals (priority 0-2) before transfer completions (6)
         c = _arrival_event(c, cd, params, cparams, req, model, go & is_arrival)
@@ -488,7 +542,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
             c = _transfer_done(c, cd, go & ~is_arrival)
         return c
 
-    return masked_while(cond, body, cs, (params, cparams, req, out_len, model, event_limit))
+    return masked_while(cond, body, cs, (params, lparams, cparams, req, out_len, model, event_limit))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

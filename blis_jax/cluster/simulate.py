@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blis_jax.cluster import admission as adm
+from blis_jax.cluster import deployments as deploy
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import loop
 from blis_jax.cluster import routing as routing_policies
@@ -44,6 +45,10 @@ class ClusterConfig:
     admission_policy: str = "always-admit"
     token_bucket_capacity: float = 10_000
     token_bucket_refill_rate: float = 1_000
+    tier_shed_threshold: int = 0  # tier-shed (BLIS policy-bundle keys, flags here)
+    tier_shed_min_priority: int = 0
+    queue_depth_threshold: float = 5.0  # gaie-legacy saturation
+    kv_cache_util_threshold: float = 0.8
     snapshot_refresh_interval_us: int = 50_000
     cache_signal_delay_us: int = 50_000
     admission_latency_us: int = 0
@@ -116,7 +121,11 @@ class ClusterConfig:
 
     def admission(self) -> adm.AbstractAdmission:
         return adm.make_admission(self.admission_policy, token_bucket_capacity=self.token_bucket_capacity,
-                                  token_bucket_refill_rate=self.token_bucket_refill_rate)
+                                  token_bucket_refill_rate=self.token_bucket_refill_rate,
+                                  tier_shed_threshold=self.tier_shed_threshold,
+                                  tier_shed_min_priority=self.tier_shed_min_priority,
+                                  queue_depth_threshold=self.queue_depth_threshold,
+                                  kv_cache_util_threshold=self.kv_cache_util_threshold)
 
     def profile(self) -> sc.ScorerProfile | None:
         if self.routing_policy != "weighted":
@@ -140,7 +149,8 @@ class InstanceViews:
 
 def simulate_cluster(requests: RequestSet, params: EngineParams, model, cluster: ClusterConfig,
                      **kwargs) -> so.SimOutput:
-    """Simulate `requests` on a cluster of identical instances; one output row per request."""
+    """Simulate `requests` on a cluster; one output row per request. Instances are identical
+    unless PD pools bring their own deployment (`prefill_pool`, `decode_pool` keywords)."""
     return simulate_cluster_views(requests, params, model, cluster, **kwargs)[0]
 
 
@@ -155,20 +165,29 @@ def simulate_cluster_views(
     preemption_policy: str = "fcfs",
     events_per_chunk: int = 200_000,
     kv_bytes_per_token: float = 0.0,
+    prefill_pool: deploy.PoolDeployment | None = None,
+    decode_pool: deploy.PoolDeployment | None = None,
     progress: Callable[[int, int, int], None] | None = None,
 ) -> tuple[so.SimOutput, InstanceViews | None]:
     """`simulate_cluster`, plus the per-instance views when there are PD pools.
-    `kv_bytes_per_token` (per GPU of the prefill pool) sizes KV transfers; `progress(done,
-    total, sim_us)` is called between chunks."""
+    `kv_bytes_per_token` (per GPU of the prefill pool) sizes KV transfers; a `prefill_pool` /
+    `decode_pool` deployment runs that pool on its own hardware and TP (the prefill pool's
+    then sizes the transfers); `progress(done, total, sim_us)` is called between chunks."""
     cluster = cluster.validate()
+    if (prefill_pool or decode_pool) and not cluster.pd:
+        raise ConfigError("--prefill-hardware/--prefill-tp/--decode-hardware/--decode-tp configure PD pools: "
+                          "set --prefill-instances and --decode-instances")
+    if prefill_pool is not None:
+        kv_bytes_per_token = prefill_pool.kv_bytes_per_token
     if cluster.pd and kv_bytes_per_token <= 0:
         raise ConfigError("PD disaggregation needs the model's KV bytes per token to size transfers")
+    kv_blocks = deploy.largest_kv_blocks(params, prefill_pool, decode_pool)
     growth = 1
     while True:
         edims = choose_dims(
             input_len=requests.input_len, output_len=requests.output_len, prefix_group=requests.prefix_group,
             prefix_len=requests.prefix_len, max_num_seqs=int(params.max_num_seqs),
-            max_num_batched_tokens=int(params.max_num_batched_tokens), total_kv_blocks=int(params.total_kv_blocks),
+            max_num_batched_tokens=int(params.max_num_batched_tokens), total_kv_blocks=kv_blocks,
             block_size=block_size, scheduler=scheduler, preemption_policy=preemption_policy, growth=growth,
             step_log=events_per_chunk,
         )
@@ -182,12 +201,15 @@ def simulate_cluster_views(
             prefill_scorers=prefill_profile.names if prefill_profile is not None else (),
             decode_scorers=decode_profile.names if decode_profile is not None else (),
             transfers=bucket(64 * growth) if cluster.pd else 1,
+            admission_reads_state=cluster.admission().reads_state,
         )
         slots = jnp.arange(cluster.slots)
         prefill_role, decode_role = (pd_rules.pool_masks(cluster.slots, prefill=cluster.prefill_instances,
                                                          decode=cluster.decode_instances,
                                                          num_instances=cluster.num_instances)[:2]
                                      if cluster.pd else (slots < 0, slots >= 0))
+        deployed = deploy.stack_deployments(model, params, cluster.slots, prefill_role, decode_role,
+                                            prefill=prefill_pool, decode=decode_pool)
         cparams = loop.ClusterParams(
             active=slots < cluster.num_instances,
             admission_latency_us=jnp.asarray(cluster.admission_latency_us, jnp.int64),
@@ -195,16 +217,19 @@ def simulate_cluster_views(
             prefill_role=prefill_role, decode_role=decode_role,
             pd=cluster.pd_config() if cluster.pd else None,
             kv_bytes_per_token=jnp.asarray(float(kv_bytes_per_token), jnp.float64),
+            total_kv_blocks=deployed.total_kv_blocks, max_model_len=deployed.max_model_len,
         )
         req = request_arrays(requests, edims)
         key = jax.random.fold_in(jax.random.key(cluster.seed), 0x5217)  # the routing subsystem's stream
-        cs = _init(cd, params, cparams, req, model, cluster.admission(), (profile, prefill_profile, decode_profile),
-                   key, cluster.snapshot_refresh_interval_us, cluster.cache_signal_delay_us)
+        model_per_slot = deployed.model
+        cs = _init(cd, params, cparams, req, model_per_slot, cluster.admission(),
+                   (profile, prefill_profile, decode_profile), key, cluster.snapshot_refresh_interval_us,
+                   cluster.cache_signal_delay_us)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         limit = 0
         while True:
             limit += events_per_chunk
-            cs = loop.advance(cd, cs, params, cparams, req, model, jnp.int64(limit))
+            cs = loop.advance(cd, cs, params, cparams, req, model_per_slot, jnp.int64(limit))
             cs = _read_logs(cs, readers)
             if progress is not None:
                 progress(int(jnp.sum(cs.instances.finished)), len(requests), int(jnp.max(cs.instances.now)))

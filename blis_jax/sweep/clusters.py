@@ -28,6 +28,7 @@ from typing import Any
 import jax
 
 from blis_jax.cluster import scorers
+from blis_jax.cluster.deployments import PoolDeployment, largest_kv_blocks
 from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster
 from blis_jax.engine.dims import EngineDims, bucket, choose_dims
 from blis_jax.engine.params import EngineParams
@@ -57,6 +58,8 @@ class ClusterScenario:
     scheduler: str = "fcfs"
     preemption_policy: str = "fcfs"
     kv_bytes_per_token: float = 0.0  # per GPU (sizes PD KV transfers), as cli.Scenario
+    prefill_pool: PoolDeployment | None = None  # PD pools on their own hardware / TP, as cli.Scenario
+    decode_pool: PoolDeployment | None = None
 
     def engine_dims(self) -> EngineDims:
         """The engine dims simulate_cluster picks for this scenario (first attempt). Only
@@ -66,7 +69,8 @@ class ClusterScenario:
         return choose_dims(input_len=r.input_len, output_len=r.output_len, prefix_group=r.prefix_group,
                            prefix_len=r.prefix_len, max_num_seqs=int(self.params.max_num_seqs),
                            max_num_batched_tokens=int(self.params.max_num_batched_tokens),
-                           total_kv_blocks=int(self.params.total_kv_blocks), block_size=self.block_size,
+                           total_kv_blocks=largest_kv_blocks(self.params, self.prefill_pool, self.decode_pool),
+                           block_size=self.block_size,
                            scheduler=self.scheduler, preemption_policy=self.preemption_policy,
                            step_log=EVENTS_PER_CHUNK)
 
@@ -89,7 +93,8 @@ class ClusterScenario:
                                 dataclasses.replace(self.cluster, instance_slots=slots),
                                 block_size=self.block_size, scheduler=self.scheduler,
                                 preemption_policy=self.preemption_policy, events_per_chunk=EVENTS_PER_CHUNK,
-                                kv_bytes_per_token=self.kv_bytes_per_token)
+                                kv_bytes_per_token=self.kv_bytes_per_token, prefill_pool=self.prefill_pool,
+                                decode_pool=self.decode_pool)
 
 
 def plan_groups(scenarios: Sequence[ClusterScenario]) -> list[tuple[int, list[int]]]:

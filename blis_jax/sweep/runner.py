@@ -81,6 +81,7 @@ def run_sweep(
                                                   share=1 / n)))
         else:
             clusters.append((k, ClusterScenario(cluster=scenario.cluster, kv_bytes_per_token=scenario.kv_bytes_per_token,
+                                                prefill_pool=scenario.prefill_pool, decode_pool=scenario.decode_pool,
                                                 **common)))
         request_sets.append(requests)
     if progress is not None:
