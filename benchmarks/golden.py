@@ -1,6 +1,6 @@
 """BLIS's 15 golden experiments, timed: one command, prints a table.
 
-    python benchmarks/golden.py                 # trained-physics, batched (one vmapped call per shape group)
+    python benchmarks/golden.py                 # trained-physics, batched (one program, one lane per core)
     python benchmarks/golden.py --single        # one run per experiment instead
     python benchmarks/golden.py --latency-model roofline
 
@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from blis_jax import golden  # noqa: E402
+from blis_jax.sweep import sharding  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "blis" / "testdata"
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--single", action="store_true")
     parser.add_argument("--reference", default=str(REFERENCE))
     args = parser.parse_args()
+    sharding.host_devices_per_core()  # batched: one lane per core, as `python -m blis_jax.golden`
     experiments = golden.load_experiments(args.reference, args.latency_model)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -94,16 +94,27 @@ def resolve(exp: GoldenExperiment, workdir: str | Path):
 
 def run_experiments(experiments: Sequence[GoldenExperiment], workdir: str | Path, *, batched: bool = True,
                     progress: Callable[[str], None] | None = None) -> list[dict]:
-    """The `run` metrics block of each experiment (batched: one vmapped program per shape group)."""
+    """The `run` metrics block of each experiment. Batched: the experiments share one compiled
+    program per latency-model structure (dims covering all of them) and run as lanes of the
+    sweep's batch runner, one per device at a time on CPU (see sweep/batch.py); single: one
+    `simulate_sessions` call each, with its own dims."""
     from blis_jax.engine.simulate import simulate_sessions
     from blis_jax.metrics import metrics_output
 
     resolved = [resolve(exp, workdir) for exp in experiments]
     if batched:
-        from blis_jax.engine.many import simulate_many_sessions
+        from blis_jax.sweep.batch import run_lanes
+        from blis_jax.sweep.lane import SessionLane
+        from blis_jax.sweep.progress import SweepProgress
 
-        lanes = [(requests, links, _params(scenario), scenario.latency_model) for scenario, requests, links in resolved]
-        outputs = simulate_many_sessions(lanes, progress=progress)
+        lanes = [SessionLane(requests=requests, links=links, params=_params(scenario), model=scenario.latency_model,
+                             block_size=scenario.block_size, scheduler=scenario.scheduler,
+                             preemption_policy=scenario.preemption_policy)
+                 for scenario, requests, links in resolved]
+        bar = SweepProgress(sys.stderr, len(lanes), prefix="blis-jax golden") if progress is not None else None
+        outputs = run_lanes(lanes, lambda _, result: result, progress=bar)
+        if bar is not None:
+            bar.close()
     else:
         outputs = []
         for exp, (scenario, requests, links) in zip(experiments, resolved):
@@ -146,6 +157,9 @@ def relative_errors(exp: GoldenExperiment, metrics: dict) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from blis_jax import __version__
+    from blis_jax.sweep import sharding
+
+    sharding.host_devices_per_core()  # batched lanes run one per core (before JAX starts its backends)
 
     parser = argparse.ArgumentParser(prog="python -m blis_jax.golden", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

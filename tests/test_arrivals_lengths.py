@@ -17,6 +17,7 @@ from scipy import stats
 from blis_jax.errors import ConfigError
 from blis_jax.workload.arrivals import (
     ArrivalProcess,
+    KeyColumn,
     fold,
     index_range,
     keyed_gamma,
@@ -167,6 +168,27 @@ def test_keyed_draws_depend_only_on_index():
     assert u.min() > 0 and u.max() <= 1
     g = keyed_gamma(KEY, IDX, 0.3)
     np.testing.assert_array_equal(keyed_gamma(KEY, IDX[7:20], 0.3), g[7:20])
+
+
+def test_a_key_column_draws_what_each_key_draws():
+    """Many streams in one call (closed-loop session rounds): element i of a KeyColumn draw
+    equals the draw of its own key, across block boundaries and after a fold."""
+    keys = [fold(KEY, s) for s in range(3)]
+    rows = np.arange(9000) % 3  # which stream each element uses
+    idx = np.arange(9000)[::-1].copy()
+    column = fold(KeyColumn.of(keys)[rows], 65)
+    for fn in (keyed_uniform, keyed_normal):
+        got = fn(column, idx, draw=2)
+        for s in range(3):
+            mine = rows == s
+            np.testing.assert_array_equal(got[mine], fn(fold(keys[s], 65), idx[mine], draw=2))
+    per_element = fold(KeyColumn.of(keys), np.array([4, 5, 6]))
+    for s in range(3):
+        assert (per_element.data[s] == np.asarray(jax.random.key_data(fold(keys[s], 4 + s)))).all()
+    g = keyed_gamma(column[:600], idx[:600], 0.3)
+    np.testing.assert_array_equal(g[rows[:600] == 1], keyed_gamma(fold(keys[1], 65), idx[:600][rows[:600] == 1], 0.3))
+    with pytest.raises(ValueError, match="stream keys for"):
+        keyed_uniform(column[:5], idx[:6])
 
 
 # ------------------------------------------------------------------------------- lengths

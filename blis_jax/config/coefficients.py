@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from blis_jax.config.yaml_files import read_yaml_file
 from blis_jax.errors import ConfigError
 
 FITS_DIR = Path(__file__).resolve().parents[2] / "fits"
@@ -83,7 +84,7 @@ def load_coefficients(path: str | Path | None = None) -> Coefficients:
     if not path.is_file():
         raise ConfigError(f"coefficient file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml_file(path)
     except yaml.YAMLError as e:
         raise ConfigError(f"coefficient file {path}: not valid YAML ({e})") from e
     if not isinstance(data, Mapping):

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from blis_jax.config.yaml_files import read_yaml_file
 from blis_jax.errors import ConfigError
 
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
@@ -114,7 +115,6 @@ def gpu_from_dict(data: Any, where: str = "<dict>") -> GPUSpec:
 
 def _read_yaml(path: Path) -> Any:
     try:
-        with open(path) as f:
-            return yaml.safe_load(f)
+        return read_yaml_file(path)
     except yaml.YAMLError as e:
         raise ConfigError(f"GPU file {path}: not valid YAML ({e})") from e

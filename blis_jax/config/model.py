@@ -12,6 +12,7 @@ Pure Python, no jax.
 """
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from typing import Any
 import yaml
 
 from blis_jax.config.quantization import activation_bytes, detect_weight_bytes, torch_dtype_of
+from blis_jax.config.yaml_files import read_yaml_file
 from blis_jax.errors import ConfigError
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -304,7 +306,13 @@ def arch_from_dict(data: Any, where: str = "<dict>") -> ModelArch:
 
 def bundled_model_ids() -> list[str]:
     """HF ids (org/name) of the models shipped in ``configs/models/``."""
-    return sorted(_read_yaml(p)["hf_id"] for p in MODELS_DIR.glob("*.yaml"))
+    return list(_bundled_model_ids())
+
+
+@functools.cache
+def _bundled_model_ids() -> tuple[str, ...]:
+    # read once per process: every `run` parser lists them in its help
+    return tuple(sorted(_read_yaml(p)["hf_id"] for p in MODELS_DIR.glob("*.yaml")))
 
 
 def load_model(id_or_path: str | Path, *, name: str | None = None) -> ModelArch:
@@ -347,7 +355,6 @@ def _load_hf_json(path: Path, name: str | None) -> ModelArch:
 
 def _read_yaml(path: Path) -> Any:
     try:
-        with open(path) as f:
-            return yaml.safe_load(f)
+        return read_yaml_file(path)
     except yaml.YAMLError as e:
         raise ConfigError(f"model file {path}: not valid YAML ({e})") from e

@@ -27,6 +27,7 @@ from blis_jax.engine import simulate
 from blis_jax.engine.dims import EngineDims, choose_dims, cover
 from blis_jax.engine.params import EngineParams
 from blis_jax.workload.requests import RequestSet
+from blis_jax.workload.sessions import FOLLOW_UP_ARRIVAL, SessionLinks, settle_sessions
 
 
 def run_instance(dims: EngineDims, inputs):
@@ -61,7 +62,12 @@ class InstanceLane:
                            prefix_len=r.prefix_len, max_num_seqs=int(self.params.max_num_seqs),
                            max_num_batched_tokens=int(self.params.max_num_batched_tokens),
                            total_kv_blocks=int(self.params.total_kv_blocks), block_size=self.block_size,
-                           scheduler=self.scheduler, preemption_policy=self.preemption_policy, growth=growth)
+                           scheduler=self.scheduler, preemption_policy=self.preemption_policy, growth=growth,
+                           num_sessions=self.num_sessions)
+
+    @property
+    def num_sessions(self) -> int:
+        return 0
 
     @staticmethod
     def cover(dims: Sequence[EngineDims]) -> EngineDims:
@@ -91,8 +97,36 @@ class InstanceLane:
         a vmapped loop runs until its slowest lane is done. Steps are bounded below by the
         arrival span (at ~10 ms a step) and by the decode work at a full batch."""
         r = self.requests
-        if len(r) == 0:
+        known = r.arrival_us[r.arrival_us < FOLLOW_UP_ARRIVAL]  # closed-loop rounds arrive in the run
+        if len(known) == 0:
             return 0.0
-        span_steps = (int(r.arrival_us[-1]) - int(r.arrival_us[0])) / 10_000
+        span_steps = (int(known[-1]) - int(known[0])) / 10_000
         decode_steps = float(r.output_len.sum()) / max(int(self.params.max_num_seqs), 1)
         return max(span_steps, decode_steps) + len(r)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SessionLane(InstanceLane):
+    """An `InstanceLane` whose workload has closed-loop sessions (the loop generates the
+    follow-up rounds). Its output is (the requests that existed, their `SimOutput`), as
+    `simulate.simulate_sessions` returns."""
+
+    links: SessionLinks | None = None  # None: no sessions (then this is a plain lane)
+
+    def _links(self) -> SessionLinks:
+        return self.links if self.links is not None else SessionLinks.none(len(self.requests))
+
+    @property
+    def num_sessions(self) -> int:
+        return self._links().num_sessions
+
+    def inputs(self, dims: EngineDims):
+        return (self.params, simulate.request_arrays(self.requests, dims, self._links()), self.model)
+
+    def output(self, state, dims: EngineDims, code: int):
+        out = super().output(state, dims, code)
+        if self.links is None:
+            return self.requests, out
+        rows, settled = settle_sessions(self.requests, self.links, np.asarray(state.arrival)[: len(self.requests)],
+                                        np.asarray(state.pool_user)[: len(self.requests)])
+        return settled, out.take(rows)

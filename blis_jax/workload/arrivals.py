@@ -22,6 +22,7 @@ floored at 10⁻¹⁵ as in BLIS.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -58,7 +59,60 @@ def _block_draws(key: jax.Array, ids: jax.Array, draw: jax.Array) -> tuple[jax.A
     return u, z
 
 
-def _draws(key: jax.Array, idx, draw: int, which: int) -> np.ndarray:
+@dataclasses.dataclass(frozen=True, eq=False)
+class KeyColumn:
+    """One stream key per element, held as raw key data on the host, so that many streams
+    (e.g. every round of every session of a client) are drawn in one call: `fold` and the
+    keyed draws accept it in place of a single key and give each element exactly the value
+    its own key would."""
+
+    data: np.ndarray  # uint32 [n, *key data shape]
+    impl: str  # the keys' PRNG implementation (jax.random.key_impl)
+
+    @staticmethod
+    def of(keys) -> KeyColumn:
+        keys = list(keys)
+        return KeyColumn(np.stack([np.asarray(jax.random.key_data(k)) for k in keys]),
+                         str(jax.random.key_impl(keys[0])))
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, rows) -> KeyColumn:
+        return KeyColumn(self.data[rows], self.impl)
+
+    def blocks(self):
+        """(start, padded data block, real size): fixed block shapes, so few compilations."""
+        for lo in range(0, len(self), _BLOCK):
+            size = min(_BLOCK, len(self) - lo)
+            block = np.zeros((_block_size(size), *self.data.shape[1:]), np.uint32)
+            block[:size] = self.data[lo:lo + size]
+            yield lo, block, size
+
+
+def _block_size(n: int) -> int:
+    return _SMALL_BLOCK if n <= _SMALL_BLOCK else _BLOCK
+
+
+@functools.partial(jax.jit, static_argnames="impl")
+def _block_draws_each(data: jax.Array, ids: jax.Array, draw: jax.Array, impl: str):
+    """`_block_draws` with one stream key per element (the same values element by element)."""
+    keys = jax.random.wrap_key_data(data, impl=impl)
+    keys = jax.vmap(lambda k, i: jax.random.fold_in(jax.random.fold_in(k, i), draw))(keys, ids)
+    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float64))(keys)
+    z = jax.vmap(lambda k: jax.random.normal(k, dtype=jnp.float64))(keys)
+    return u, z
+
+
+@functools.partial(jax.jit, static_argnames="impl")
+def _fold_each(data: jax.Array, values: jax.Array, impl: str) -> jax.Array:
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(data, impl=impl), values)
+    return jax.random.key_data(keys)
+
+
+def _draws(key, idx, draw: int, which: int) -> np.ndarray:
+    """Variate `which` (0 uniform, 1 normal) of elements `idx`, from one stream key or a
+    `KeyColumn` as long as `idx`."""
     arr = np.asarray(idx, dtype=np.int64).reshape(-1)
     if arr.size == 0:
         return np.zeros(0, dtype=np.float64)
@@ -66,9 +120,18 @@ def _draws(key: jax.Array, idx, draw: int, which: int) -> np.ndarray:
         raise ConfigError(f"keyed draw: request index {int(arr.max())} outside the 32-bit index space; "
                           "generate fewer requests per client")
     out = np.empty(arr.size, dtype=np.float64)
+    if isinstance(key, KeyColumn):
+        if len(key) != arr.size:
+            raise ValueError(f"keyed draw: {len(key)} stream keys for {arr.size} elements")
+        for lo, block, size in key.blocks():
+            ids = np.zeros(block.shape[0], dtype=np.uint32)
+            ids[:size] = arr[lo:lo + size]
+            values = _block_draws_each(block, ids, jnp.uint32(draw), impl=key.impl)[which]
+            out[lo:lo + size] = np.asarray(values)[:size]
+        return out
     for lo in range(0, arr.size, _BLOCK):
         chunk = arr[lo:lo + _BLOCK]
-        ids = np.zeros(_SMALL_BLOCK if chunk.size <= _SMALL_BLOCK else _BLOCK, dtype=np.uint32)
+        ids = np.zeros(_block_size(chunk.size), dtype=np.uint32)
         ids[:chunk.size] = chunk
         values = _block_draws(key, jnp.asarray(ids), jnp.uint32(draw))[which]
         out[lo:lo + chunk.size] = np.asarray(values)[:chunk.size]
@@ -78,9 +141,18 @@ def _draws(key: jax.Array, idx, draw: int, which: int) -> np.ndarray:
 _fold_in = jax.jit(jax.random.fold_in)
 
 
-def fold(key: jax.Array, data: int) -> jax.Array:
-    """`jax.random.fold_in(key, data)` through a compiled call (eager fold_in costs ~0.3 ms)."""
-    return _fold_in(key, np.uint32(data))
+def fold(key, data):
+    """`jax.random.fold_in(key, data)` through a compiled call (eager fold_in costs ~0.3 ms).
+    A `KeyColumn` folds each of its keys with `data` (a scalar, or one value per key)."""
+    if not isinstance(key, KeyColumn):
+        return _fold_in(key, np.uint32(data))
+    values = np.broadcast_to(np.asarray(data, np.uint32), (len(key),))
+    out = np.empty_like(key.data)
+    for lo, block, size in key.blocks():
+        padded = np.zeros(block.shape[0], np.uint32)
+        padded[:size] = values[lo:lo + size]
+        out[lo:lo + size] = np.asarray(_fold_each(block, padded, impl=key.impl))[:size]
+    return KeyColumn(out, key.impl)
 
 
 def keyed_uniform(key: jax.Array, idx, draw: int = 0) -> np.ndarray:
@@ -111,8 +183,9 @@ def keyed_gamma(key: jax.Array, idx, alpha: float, draw: int = 0) -> np.ndarray:
     while pending.size:
         if 2 * attempt + 1 >= _GAMMA_BOOST_DRAW:
             raise AssertionError("Marsaglia–Tsang did not accept after 32k attempts")
-        z = keyed_normal(key, idx[pending], base + 2 * attempt)
-        u = keyed_uniform(key, idx[pending], base + 2 * attempt + 1)
+        k = key[pending] if isinstance(key, KeyColumn) else key
+        z = keyed_normal(k, idx[pending], base + 2 * attempt)
+        u = keyed_uniform(k, idx[pending], base + 2 * attempt + 1)
         v = (1.0 + c * z) ** 3
         with np.errstate(invalid="ignore", divide="ignore"):
             ok = (v > 0) & (np.log(u) < 0.5 * z * z + d - d * v + d * np.log(np.where(v > 0, v, 1.0)))

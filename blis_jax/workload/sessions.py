@@ -35,6 +35,7 @@ import dataclasses
 import numpy as np
 
 from blis_jax.errors import ConfigError
+from blis_jax.workload.arrivals import KeyColumn
 from blis_jax.workload.requests import RequestSet, make_request_set
 
 # placeholder arrival of a follow-up row: after every real arrival, so rows stay sorted
@@ -78,41 +79,12 @@ def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
                               "multi-turn sessions; split them into two specs")
         return _concurrency_requests(workload)
     n0 = len(base)
-    rows: dict[str, list] = {k: [] for k in ("input", "output", "reason", "src", "round")}
-    next_round = np.full(n0, -1, np.int64)
-    think = np.zeros(n0, np.int64)
     slot = np.full(n0, -1, np.int64)
-    links_next, links_think, links_timeout, links_slot = [], [], [], []
-    row = n0
+    think = np.zeros(n0, np.int64)
     for s, p in enumerate(plans):
-        rc = workload.clients[p.client_index]
-        first = p.request_id
-        slot[first], think[first] = s, p.think_time_us
-        prev = first
-        fresh0 = int(base.input_len[first] - p.prefix_len)
-        context = fresh0 + int(base.output_len[first]) if p.context_growth == "accumulate" else 0
-        idx = np.array([p.start_index], np.int64)
-        starts = g._Starts(p.base_key, np.zeros(1, np.int64), idx, p.input_dist, p.output_dist)
-        for r in range(1, p.max_rounds):
-            fresh, output, reason, _ = g._sample_round(rc, starts, p.round_key(r), idx)
-            rows["input"].append(p.prefix_len + context + int(fresh[0]))
-            rows["output"].append(int(output[0]))
-            rows["reason"].append(float(reason[0]))
-            rows["src"].append(first)
-            rows["round"].append(r)
-            if p.context_growth == "accumulate":
-                context += int(fresh[0]) + int(output[0])
-            if prev < n0:
-                next_round[prev] = row
-            else:
-                links_next[prev - n0] = row
-            links_next.append(-1)
-            links_think.append(p.think_time_us)
-            links_timeout.append(p.timeout_us)
-            links_slot.append(s)
-            prev = row
-            row += 1
-    src = np.asarray(rows["src"], np.int64)
+        slot[p.request_id], think[p.request_id] = s, p.think_time_us
+    rows = _follow_up_rows(workload, plans)
+    src = rows["src"]
     m = len(src)
     if m == 0:
         return base, dataclasses.replace(SessionLinks.none(n0), session_slot=slot, think_time_us=think,
@@ -125,15 +97,70 @@ def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
         if k != "reason_ratio":
             columns[k] = np.concatenate([v, v[src]])
     requests = _with_follow_ups(base, src, rows["input"], rows["output"], rows["round"], columns)
+    # each round links to the next round of its session (row n0 + k is follow-up k)
+    next_round = np.full(n0 + m, -1, np.int64)
+    starts = np.flatnonzero(rows["round"] == 1)
+    next_round[src[starts]] = n0 + starts
+    later = np.flatnonzero(rows["round"][1:] > 1)  # follow-up k + 1 continues follow-up k
+    next_round[n0 + later] = n0 + later + 1
+    plan_of = rows["plan"]
     links = SessionLinks(
         follow_up=np.concatenate([np.zeros(n0, bool), np.ones(m, bool)]),
-        next_round=np.concatenate([next_round, links_next]),
-        think_time_us=np.concatenate([think, links_think]),
-        timeout_us=np.concatenate([np.zeros(n0, np.int64), links_timeout]),
-        session_slot=np.concatenate([slot, links_slot]),
+        next_round=next_round,
+        think_time_us=np.concatenate([think, [plans[k].think_time_us for k in plan_of]]).astype(np.int64),
+        timeout_us=np.concatenate([np.zeros(n0, np.int64), [plans[k].timeout_us for k in plan_of]]).astype(np.int64),
+        session_slot=np.concatenate([slot, plan_of]).astype(np.int64),
         num_sessions=len(plans),
     )
     return requests, links
+
+
+def _follow_up_rows(workload, plans) -> dict[str, np.ndarray]:
+    """Rounds 1.. of every session, session by session: lengths drawn from each round's key
+    at the session's index, the input growing by the context (`accumulate`: earlier rounds'
+    fresh input and output). The rounds of all sessions of a client (and window) are drawn
+    together, with one stream key per row."""
+    from blis_jax.workload import generate as g
+
+    base = workload.requests
+    rounds = np.array([max(p.max_rounds - 1, 0) for p in plans], np.int64)
+    plan_of = np.repeat(np.arange(len(plans)), rounds)
+    first_row = np.concatenate([[0], np.cumsum(rounds)[:-1]]).astype(np.int64) if len(plans) else rounds
+    round_of = np.arange(len(plan_of)) - np.repeat(first_row, rounds) + 1
+    m = len(plan_of)
+    fresh, output, reason = np.zeros(m, np.int64), np.zeros(m, np.int64), np.zeros(m)
+    groups: dict[tuple, list[int]] = {}
+    for k, p in enumerate(plans):
+        if rounds[k]:
+            groups.setdefault((p.client_index, id(p.input_dist), id(p.output_dist)), []).append(k)
+    for (client, _, _), members in groups.items():
+        rc, p0 = workload.clients[client], plans[members[0]]
+        at = np.concatenate([np.arange(first_row[k], first_row[k] + rounds[k]) for k in members])
+        idx = np.array([plans[k].start_index for k in plan_of[at]], np.int64)
+        if rc.multimodal is not None:  # per-item draws take subsets of the rows: one row at a time
+            for row, i in zip(at.tolist(), idx.tolist()):
+                p = plans[plan_of[row]]
+                starts = g._Starts(p.base_key, np.zeros(1, np.int64), np.array([i]), p.input_dist, p.output_dist)
+                f, o, r, _ = g._sample_round(rc, starts, p.round_key(int(round_of[row])), np.array([i]))
+                fresh[row], output[row], reason[row] = f[0], o[0], r[0]
+            continue
+        # SessionPlan.round_key of every row: fold(fold(base key, ROUND), round)
+        base_keys = {id(plans[k].base_key): plans[k].base_key for k in members}
+        which = {key_id: j for j, key_id in enumerate(base_keys)}
+        per_key = g.fold(KeyColumn.of(base_keys.values()), g.ROUND)
+        keys = g.fold(per_key[np.array([which[id(plans[k].base_key)] for k in plan_of[at]])], round_of[at])
+        starts = g._Starts(keys, np.zeros(len(at), np.int64), idx, p0.input_dist, p0.output_dist)
+        fresh[at], output[at], reason[at], _ = g._sample_round(rc, starts, keys, idx)
+    prefix = np.array([p.prefix_len for p in plans], np.int64)
+    accumulate = np.array([p.context_growth == "accumulate" for p in plans], bool)
+    first = np.array([p.request_id for p in plans], np.int64)
+    # context before round 1: round 0's fresh input and output; then each round adds its own
+    context0 = np.where(accumulate, base.input_len[first] - prefix + base.output_len[first], 0)
+    before = np.concatenate([[0], np.cumsum(fresh + output)])  # over all earlier rows
+    grown = before[:-1] - np.repeat(before[first_row], rounds)  # over the earlier rounds of the session
+    context = np.repeat(context0, rounds) + np.where(accumulate[plan_of], grown, 0)
+    return {"input": np.repeat(prefix, rounds) + context + fresh, "output": output, "reason": reason,
+            "src": first[plan_of], "round": round_of, "plan": plan_of}
 
 
 def _concurrency_requests(workload) -> tuple[RequestSet, SessionLinks]:
