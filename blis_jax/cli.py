@@ -44,6 +44,7 @@ from blis_jax.config.coefficients import check_alpha, check_beta
 from blis_jax.config.kv_capacity import kv_bytes_per_token
 from blis_jax.cluster.admission import ADMISSION_POLICIES
 from blis_jax.cluster.deployments import PoolDeployment
+from blis_jax.cluster.gateway import DISPATCH_ORDERS, FAIRNESS_POLICIES, SATURATION_DETECTORS, FlowControlConfig
 from blis_jax.cluster.pd import PD_DECIDERS
 from blis_jax.cluster.routing import ROUTING_POLICIES
 from blis_jax.cluster.scorers import DEFAULT_PROFILE, SCORERS
@@ -164,9 +165,11 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="tier-shed: above the threshold, admit classes of at least this priority (critical 4, "
                         "standard 3, batch -1, sheddable -2, background -3; default 0)")
     g.add_argument("--queue-depth-threshold", type=float, default=5.0, metavar="REQUESTS",
-                   help="gaie-legacy: queue depth at which an instance counts as saturated (default 5)")
+                   help="gaie-legacy and the utilization saturation detector: queue depth at which an instance "
+                        "counts as saturated (default 5)")
     g.add_argument("--kv-cache-util-threshold", type=float, default=0.8, metavar="FRACTION",
-                   help="gaie-legacy: KV utilization at which an instance counts as saturated (default 0.8)")
+                   help="gaie-legacy and the utilization saturation detector: KV utilization at which an "
+                        "instance counts as saturated (default 0.8)")
     g.add_argument("--admission-latency", type=int, default=0, metavar="US",
                    help="arrival → admission decision, µs (default 0)")
     g.add_argument("--routing-latency", type=int, default=0, metavar="US",
@@ -180,6 +183,36 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="router's instance-signal staleness: re-read at most every US µs (default 50000; 0 = live)")
     g.add_argument("--cache-signal-delay", type=int, default=50_000, metavar="US",
                    help="router's prefix-cache view is re-taken every US µs (default 50000; 0 = live)")
+
+    g = p.add_argument_group("cluster: flow control (gateway queue between admission and routing)")
+    g.add_argument("--flow-control", action="store_true",
+                   help="queue requests at the gateway and dispatch them by priority band, tenant and saturation "
+                        "(the queue is the admission policy)")
+    g.add_argument("--saturation-detector", choices=SATURATION_DETECTORS, default="never",
+                   help="what holds dispatch back (default never; utilization reads --queue-depth-threshold and "
+                        "--kv-cache-util-threshold, concurrency --max-concurrency)")
+    g.add_argument("--dispatch-order", choices=DISPATCH_ORDERS, default="fifo",
+                   help="order inside a tenant's flow (default fifo)")
+    g.add_argument("--fairness-policy", choices=FAIRNESS_POLICIES, default="global-strict",
+                   help="which tenant's flow a band serves next (default global-strict)")
+    g.add_argument("--slo-targets", default=None, metavar="CLASS=US,...",
+                   help="slo-deadline order: per-class target after enqueue, µs")
+    g.add_argument("--max-gateway-queue-depth", type=int, default=0, metavar="N",
+                   help="queued requests at most (default 0: no limit)")
+    g.add_argument("--per-band-capacity", type=int, default=0, metavar="N",
+                   help="queued requests per priority band at most (default 0: no limit)")
+    g.add_argument("--queue-shedding", action="store_true",
+                   help="at the depth limit, shed the least valuable sheddable request for a more important one")
+    g.add_argument("--usage-limit-threshold", type=float, default=1.0, metavar="FRACTION",
+                   help="saturation ceiling of the lowest band (bands in between interpolate; default 1.0)")
+    g.add_argument("--max-concurrency", type=float, default=100.0, metavar="REQUESTS",
+                   help="concurrency detector: in-flight requests per instance at saturation (default 100)")
+    g.add_argument("--request-ttl", type=int, default=0, metavar="US",
+                   help="a request queued longer expires (default 0: never)")
+    g.add_argument("--dispatch-tick-interval", type=int, default=1000, metavar="US",
+                   help="dispatch retry period while the queue is non-empty (default 1000)")
+    g.add_argument("--in-flight-eviction", action="store_true",
+                   help="(not supported yet) evict running sheddable requests at saturation")
 
     g = p.add_argument_group("cluster: prefill/decode disaggregation")
     g.add_argument("--prefill-instances", type=int, default=0, metavar="N",
@@ -525,8 +558,11 @@ class Scenario:
 
     @property
     def single_instance(self) -> bool:
-        """Served by the single-instance engine: one instance that admits every request."""
-        return self.cluster.num_instances == 1 and self.cluster.admission_policy == "always-admit"
+        """Served by the single-instance engine: one instance that admits every request at its
+        arrival (no admission or routing latency, no gateway queue)."""
+        c = self.cluster
+        return (c.num_instances == 1 and c.admission_policy == "always-admit" and c.flow_control is None
+                and c.admission_latency_us == 0 and c.routing_latency_us == 0)
 
 
 def cluster_config(args) -> ClusterConfig:
@@ -549,7 +585,22 @@ def cluster_config(args) -> ClusterConfig:
         pd_transfer_bandwidth=args.pd_transfer_bandwidth, pd_transfer_base_latency=args.pd_transfer_base_latency,
         pd_transfer_contention=args.pd_transfer_contention,
         prefill_routing_scorers=args.prefill_routing_scorers, decode_routing_scorers=args.decode_routing_scorers,
+        flow_control=_flow_control(args),
     ).validate()
+
+
+def _flow_control(args) -> FlowControlConfig | None:
+    names = ("saturation_detector", "dispatch_order", "fairness_policy", "slo_targets", "max_gateway_queue_depth",
+             "per_band_capacity", "queue_shedding", "usage_limit_threshold", "max_concurrency",
+             "in_flight_eviction")
+    config = FlowControlConfig(**{name: getattr(args, name) for name in names}, request_ttl_us=args.request_ttl,
+                               dispatch_tick_interval_us=args.dispatch_tick_interval)
+    if not args.flow_control:
+        if config != FlowControlConfig():
+            raise ConfigError("the gateway-queue flags (--saturation-detector, --dispatch-order, ...) need "
+                              "--flow-control")
+        return None
+    return config
 
 
 def parse_coefficients(flag: str, text: str) -> tuple[float, ...]:
@@ -787,7 +838,8 @@ def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO, ses
         if sessions is not None:
             if not scenario.single_instance:
                 raise ConfigError("--workload-spec: closed-loop sessions run on one instance with always-admit "
-                                  "for now; use --num-instances 1 and --admission-policy always-admit")
+                                  "for now; use --num-instances 1 and --admission-policy always-admit, without "
+                                  "--admission-latency, --routing-latency or --flow-control")
             requests, out = simulate_sessions(requests, sessions, params, scenario.latency_model, **settings)
         elif scenario.single_instance:
             out = simulate_instance(requests, params, scenario.latency_model, **settings)

@@ -21,6 +21,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from blis_jax.engine.output import (
+    GATEWAY_EXPIRED,
+    GATEWAY_QUEUED,
+    GATEWAY_REJECTED,
+    GATEWAY_SHED,
     LENGTH_CAPPED,
     NOT_ARRIVED,
     QUEUED,
@@ -133,6 +137,8 @@ def _record(out: SimOutput, requests: RequestSet, i: int, itl_us: float, done: b
     _put_label(rec, "model", requests.model[i])
     if out.status[i] == LENGTH_CAPPED:
         rec["length_capped"] = True
+    if out.gateway_delay_us is not None and out.gateway_delay_us[i] >= 0:
+        rec["gateway_queue_delay_ms"] = float(out.gateway_delay_us[i]) / 1000.0
     _put_label(rec, "session_id", requests.session_id[i])
     rec["round_index"] = int(requests.round_index[i])
     return rec
@@ -311,10 +317,16 @@ class AnomalyCounters:
     dropped_unservable: int = 0
     timed_out: int = 0
     length_capped: int = 0
+    flow_control: bool = False  # the gateway figures below exist
+    gateway_queued: int = 0  # still in the gateway queue at the end
+    gateway_rejected: int = 0
+    gateway_shed: int = 0
+    gateway_expired: int = 0
 
     def any_nonzero(self) -> bool:
         return any((self.priority_inversions, self.hol_blocking_events, self.rejected_admission,
-                    self.rejected_routing, self.dropped_unservable, self.timed_out, self.length_capped))
+                    self.rejected_routing, self.dropped_unservable, self.timed_out, self.length_capped,
+                    self.gateway_queued, self.gateway_rejected, self.gateway_shed, self.gateway_expired))
 
 
 def anomaly_counters(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcfs",
@@ -336,6 +348,11 @@ def anomaly_counters(out: SimOutput, requests: RequestSet, *, scheduler: str = "
         dropped_unservable=int(out.dropped_unservable.sum()),
         timed_out=int(out.timed_out.sum()),
         length_capped=int(out.length_capped.sum()),
+        flow_control=out.gateway_delay_us is not None,
+        gateway_queued=int((out.status == GATEWAY_QUEUED).sum()),
+        gateway_rejected=int((out.status == GATEWAY_REJECTED).sum()),
+        gateway_shed=int((out.status == GATEWAY_SHED).sum()),
+        gateway_expired=int((out.status == GATEWAY_EXPIRED).sum()),
     )
 
 

@@ -125,6 +125,11 @@ def format_anomaly_section(counters: AnomalyCounters) -> str:
              f"Dropped Unservable: {counters.dropped_unservable}",
              f"Timed Out Requests: {counters.timed_out}",
              f"Length-Capped Requests: {counters.length_capped}"]
+    if counters.flow_control:
+        lines += [f"Gateway Queue Depth (end): {counters.gateway_queued}",
+                  f"Gateway Queue Shed: {counters.gateway_shed}",
+                  f"Gateway Queue Rejected: {counters.gateway_rejected}",
+                  f"Gateway Expired: {counters.gateway_expired}"]
     return "\n".join(lines) + "\n"
 
 

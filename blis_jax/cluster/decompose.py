@@ -1,7 +1,7 @@
 """Round-robin clusters whose instances never interact: N independent single-instance runs.
 
-With round-robin routing, always-admit admission, no admission or routing latency and no
-prefill/decode pools, where a request goes depends only on its place in the arrival order
+With round-robin routing, always-admit admission, no admission or routing latency, no
+gateway queue and no prefill/decode pools, where a request goes depends only on its place in the arrival order
 (the k-th routed request goes to instance k mod N), and nothing one instance does reaches
 another: the router reads no instance signal, and each instance sees its requests at their
 arrival time exactly as a lone instance would. Such a cluster is exactly N single-instance runs
@@ -28,7 +28,7 @@ def independent(cluster, requests: RequestSet) -> bool:
     """Whether `cluster` (a validated `ClusterConfig`) runs `requests` as independent instances."""
     return (cluster.routing_policy == "round-robin" and cluster.admission_policy == "always-admit"
             and cluster.admission_latency_us == 0 and cluster.routing_latency_us == 0 and not cluster.pd
-            and cluster.num_instances >= 1 and len(requests) > 0)
+            and cluster.flow_control is None and cluster.num_instances >= 1 and len(requests) > 0)
 
 
 def route(requests: RequestSet, num_instances: int, horizon_us: int | None) -> np.ndarray:

@@ -15,9 +15,11 @@ Cluster events are the requests' arrivals in arrival order (admission at arrival
 admission latency, routing at that + routing latency; both latencies are constants, so the
 routing order is the arrival order). An admission policy that reads the cluster's load
 (tier-shed, gaie-legacy) decides at its own event, at the admission time, before any routing
-decision of the same tick. Router-side state (`ClusterState`): the admission
-policy, the in-flight counts (routed − left, always current), the stale signal snapshot and
-cache signal, the routing policy state, and per request the serving instance.
+decision of the same tick. With flow control (gateway.py) the admission time is the enqueue
+into the gateway queue, and requests are routed in dispatch order instead. Router-side state
+(`ClusterState`): the admission policy, the in-flight counts (routed − left, always current),
+the stale signal snapshot and cache signal, the routing policy state, the gateway queue, and
+per request the serving instance.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from jaxtyping import Array, Bool, Float64, Int32, Int64, PRNGKeyArray
 from blis_jax import latency
 from blis_jax.cluster import admission as adm
 from blis_jax.cluster import deployments, routing, signals
+from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import scorers as sc
 from blis_jax.cluster import transfers as xfer
@@ -61,6 +64,13 @@ class ClusterDims:
     decode_scorers: tuple[str, ...] = ()
     transfers: int = 1  # KV transfers in flight at once (pd)
     admission_reads_state: bool = False  # tier-shed / gaie-legacy: admissions are events of their own
+    gateway_slots: int = 0  # flow control: gateway queue slots (0 = no flow control)
+    gateway_bands: int = 1  # priority bands (distinct priorities of the workload)
+    gateway_tenants: int = 1
+
+    @property
+    def flow_control(self) -> bool:
+        return self.gateway_slots > 0
 
     @property
     def all_scorers(self) -> tuple[str, ...]:
@@ -80,7 +90,7 @@ class ClusterDims:
         """Routing reads only router-owned state and the stale snapshots, so every arrival
         before the next snapshot or cache refresh can be routed before the instances have run
         up to it (the decisions are the same: nothing they read changes in between)."""
-        if self.pd or self.admission_reads_state:
+        if self.pd or self.admission_reads_state or self.flow_control:
             return False
         if self.routing_policy == "round-robin":
             return True
@@ -98,6 +108,7 @@ class ClusterParams(eqx.Module):
     pd: pd_rules.PDConfig | None  # decider and transfer settings (None without pools)
     kv_bytes_per_token: Float64[Array, ""]  # per GPU of the prefill pool's TP (transfer sizes)
     total_kv_blocks: Int64[Array, " I"]  # each slot's own (deployments.py); the engine params' is unused
+    gateway: gw.GatewayParams | None  # flow control (None without)
     max_model_len: Int64[Array, " I"]
 
 
@@ -114,6 +125,7 @@ class ClusterState(eqx.Module):
     prefill_profile: sc.ScorerProfile | None  # pd pools with their own scorers
     decode_profile: sc.ScorerProfile | None
     transfers: xfer.Transfers
+    gateway: gw.GatewayState | None  # flow control: the gateway queue (None without)
     exits_read: Int64[Array, " I"]  # pd: completions of each instance turned into transfers
     key: PRNGKeyArray  # routing tie-breaks: fold_in(key, decision index)
     handled_by: Int32[Array, " N"]  # instance serving each request (pd: its decode instance); -1 none
@@ -212,6 +224,7 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         prefill_profile=prefill_profile,
         decode_profile=decode_profile,
         transfers=xfer.empty(cd.transfers, n),
+        gateway=gw.empty(cd.gateway_slots, n, cd.gateway_bands) if cd.flow_control else None,
         exits_read=jnp.zeros(i, jnp.int64),
         key=key,
         handled_by=jnp.full(n, -1, jnp.int32),
@@ -228,7 +241,12 @@ def lane_output_len(cparams: ClusterParams, req: RequestArrays) -> Int64[Array, 
 
 def next_arrival(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays):
     """(request, admission time, routing time) of the next arrival; INF_TIME when none is left
-    before the horizon. Requests are in arrival order."""
+    before the horizon. Requests are in arrival order; with flow control, the next request
+    dispatched by the gateway (its admission time is then its routing time)."""
+    if cs.gateway is not None:
+        r, t_route = gw.next_to_route(cs.gateway, cparams.routing_latency_us)
+        t_route = jnp.where(t_route <= params.horizon_us, t_route, INF_TIME)
+        return r, t_route, t_route
     n = req.arrival.shape[0]
     r = jnp.minimum(cs.next_request, n - 1)
     t_admit = req.arrival[r] + cparams.admission_latency_us
@@ -247,10 +265,26 @@ def next_admission(cs: ClusterState, cparams: ClusterParams, params: EngineParam
     return r, jnp.where(left, t_admit, INF_TIME)
 
 
+def gateway_events(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays):
+    """Flow control: (request and time of the next enqueue, slot and time of the next TTL
+    expiry, time of the next dispatch tick); INF_TIME past the horizon or when none."""
+    n = req.arrival.shape[0]
+    r = jnp.minimum(cs.next_admission, n - 1)
+    t_enqueue = req.arrival[r] + cparams.admission_latency_us
+    left = (cs.next_admission < n) & req.valid[r] & (t_enqueue <= params.horizon_us)
+    slot, t_expiry = gw.next_expiry(cs.gateway, cparams.gateway)
+    before = lambda t: jnp.where(t <= params.horizon_us, t, INF_TIME)  # noqa: E731
+    return r, jnp.where(left, t_enqueue, INF_TIME), slot, before(t_expiry), before(cs.gateway.tick_at)
+
+
 def next_cluster_time(cs: ClusterState, cparams, params, req):
     _, _, t_route = next_arrival(cs, cparams, params, req)
     _, t_done = xfer.next_done(cs.transfers)
-    return jnp.minimum(t_route, jnp.where(t_done <= params.horizon_us, t_done, INF_TIME))
+    t = jnp.minimum(t_route, jnp.where(t_done <= params.horizon_us, t_done, INF_TIME))
+    if cs.gateway is not None:
+        _, t_enqueue, _, t_expiry, t_tick = gateway_events(cs, cparams, params, req)
+        t = jnp.minimum(jnp.minimum(t, t_enqueue), jnp.minimum(t_expiry, t_tick))
+    return t
 
 
 def _pick(cd: ClusterDims, policy_profile, rr, rs: signals.RouterState, route_req, key):
@@ -272,6 +306,8 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     serving instance, or with disaggregation its prefill instance; -1 when rejected)."""
     if cd.admission_reads_state:  # decided at its own event (`_admission_event`)
         policy, admitted = cs.admission, ~cs.rejected[r]
+    elif cd.flow_control:  # the gateway queue admitted and dispatched it
+        policy, admitted = cs.admission, jnp.asarray(True)
     else:
         policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r])
     admitted = admitted & on
@@ -354,10 +390,7 @@ def _admission_event(cs: ClusterState, cd: ClusterDims, params: EngineParams, cp
     """AdmissionDecision of a state-reading policy: a RouterState build at the admission time
     over every routable instance (refreshing the stale snapshot, as a routing build does)."""
     r, t_admit = next_admission(cs, cparams, params, req)
-    live = live_signals(cs.instances, cparams.total_kv_blocks, cd.engine.block_size)
-    snapshot = signals.refresh(cs.snapshot, live, t_admit, cparams.active)
-    in_flight = jnp.maximum(cs.routed - cs.instances.finished, 0)
-    rs = signals.router_state(snapshot, in_flight, cparams.active)
+    snapshot, rs = _cluster_router_state(cs, cd, cparams, t_admit)
     policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r], adm.cluster_priority(req.priority[r]), rs)
     n = cs.rejected.shape[0]
     return dataclasses.replace(
@@ -369,9 +402,52 @@ def _admission_event(cs: ClusterState, cd: ClusterDims, params: EngineParams, cp
     )
 
 
+def _cluster_router_state(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, now):
+    """(refreshed snapshot, RouterState) of a RouterState build at `now` over every routable
+    instance, outside routing (admission, gateway dispatch): it refreshes the stale snapshot
+    as a routing build does."""
+    live = live_signals(cs.instances, cparams.total_kv_blocks, cd.engine.block_size)
+    snapshot = signals.refresh(cs.snapshot, live, now, cparams.active)
+    in_flight = jnp.maximum(cs.routed - cs.instances.finished, 0)
+    return snapshot, signals.router_state(snapshot, in_flight, cparams.active)
+
+
+# ----------------------------------------------------------------------- flow control (gateway.py)
+
+
+def _gateway_dispatch(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, now, on):
+    snapshot, rs = _cluster_router_state(cs, cd, cparams, now)
+    return dataclasses.replace(
+        cs, gateway=gw.dispatch(cs.gateway, cparams.gateway, rs, now, on, cd.gateway_tenants),
+        snapshot=jax.tree.map(lambda a, b: jnp.where(on, a, b), snapshot, cs.snapshot))
+
+
+def _gateway_enqueue_event(cs: ClusterState, cd: ClusterDims, params, cparams: ClusterParams, req, on):
+    """The next arrival reaches the gateway (its admission time): queued or refused, then one
+    dispatch attempt, and a tick pending while the queue is non-empty."""
+    r, now, _, _, _ = gateway_events(cs, cparams, params, req)
+    cs = dataclasses.replace(cs, gateway=gw.enqueue(cs.gateway, cparams.gateway, r, now, on),
+                             next_admission=cs.next_admission + on)
+    cs = _gateway_dispatch(cs, cd, cparams, now, on)
+    return dataclasses.replace(cs, gateway=gw.schedule_tick(cs.gateway, cparams.gateway, now, on))
+
+
+def _gateway_expiry_event(cs: ClusterState, cparams: ClusterParams, params, req, on):
+    _, _, slot, _, _ = gateway_events(cs, cparams, params, req)
+    return dataclasses.replace(cs, gateway=gw.expire(cs.gateway, slot, on))
+
+
+def _gateway_tick_event(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, params, req, on):
+    _, _, _, _, now = gateway_events(cs, cparams, params, req)
+    cs = _gateway_dispatch(cs, cd, cparams, now, on)
+    return dataclasses.replace(cs, gateway=gw.schedule_tick(cs.gateway, cparams.gateway, now, on, after_tick=True))
+
+
 def _arrival_event(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, model, on):
     r, t_admit, t_route = next_arrival(cs, cparams, params, req)
     cs, inject_at = _decide(cs, cd, params, cparams, req, r, t_admit, t_route, on)
+    if cs.gateway is not None:
+        cs = dataclasses.replace(cs, gateway=gw.routed(cs.gateway, on))
     # the arrival → enqueue delay of the instance that receives the request (its own alpha)
     enqueue_at = t_route + jax.vmap(latency.queueing_time_us, in_axes=(0, None))(model, req.input_len[r])
     mine = jnp.arange(cd.num_instances) == inject_at
@@ -480,7 +556,8 @@ def _route_ahead(cs: ClusterState, cd: ClusterDims, params, cparams: ClusterPara
 
 
 def overflowed(cs: ClusterState):
-    return jnp.any((cs.instances.result & results.GROWABLE) != 0) | (cs.result != 0)
+    full = cs.gateway.full if cs.gateway is not None else False
+    return jnp.any((cs.instances.result & results.GROWABLE) != 0) | (cs.result != 0) | full
 
 
 def finished(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays, out_len=None):
@@ -529,17 +606,35 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.pd:
             c = _start_transfers(c, cd, params, cparams, req, t_prefill, caught & prefill_tick)
         go = caught & ~prefill_tick & (t_cluster < INF_TIME)
-        if cd.admission_reads_state:  # AdmissionDecision (priority 1) before RoutingDecision (2)
+        # same-tick order (BLIS's event priorities): admission 1, routing 2, TTL expiry and
+        # transfer completion 6, dispatch tick 7
+        if cd.admission_reads_state:
             is_admission = t_admission <= t_cluster
             c = _admission_event(c, cd, params, cparams, req, go & is_admission)
             go = go & ~is_admission
+        if cd.flow_control:
+            _, t_enqueue, _, _, _ = gateway_events(c, cparams, params, req)
+            is_enqueue = t_enqueue <= t_cluster
+            c = _gateway_enqueue_event(c, cd, params, cparams, req, go & is_enqueue)
+            go = go & ~is_enqueue
         _, _, t_route = next_arrival(c, cparams, params, req)
-        is_arrival = t_route <= t_cluster  # arrivals (priority 0-2) before transfer completions (6)
+        is_arrival = t_route <= t_cluster
         c = _arrival_event(c, cd, params, cparams, req, model, go & is_arrival)
         if cd.routes_ahead:
             c = _route_ahead(c, cd, params, cparams, req, model, go & is_arrival)
+        go = go & ~is_arrival
+        if cd.flow_control:
+            _, _, _, t_expiry, t_tick = gateway_events(c, cparams, params, req)
+            is_expiry = t_expiry <= t_cluster
+            c = _gateway_expiry_event(c, cparams, params, req, go & is_expiry)
+            go = go & ~is_expiry
         if cd.pd:
-            c = _transfer_done(c, cd, go & ~is_arrival)
+            _, t_done = xfer.next_done(c.transfers)
+            is_done = t_done <= t_cluster
+            c = _transfer_done(c, cd, go & is_done)
+            go = go & ~is_done
+        if cd.flow_control:
+            c = _gateway_tick_event(c, cd, cparams, params, req, go & (t_tick <= t_cluster))
         return c
 
     return masked_while(cond, body, cs, (params, lparams, cparams, req, out_len, model, event_limit))

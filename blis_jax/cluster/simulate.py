@@ -19,6 +19,7 @@ import numpy as np
 
 from blis_jax.cluster import admission as adm
 from blis_jax.cluster import deployments as deploy
+from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import loop
 from blis_jax.cluster import routing as routing_policies
@@ -66,6 +67,7 @@ class ClusterConfig:
     pd_transfer_contention: bool = False
     prefill_routing_scorers: str | None = None  # weighted routing inside the prefill pool
     decode_routing_scorers: str | None = None
+    flow_control: gw.FlowControlConfig | None = None  # the gateway queue (--flow-control); None = off
 
     def validate(self) -> ClusterConfig:
         n = self.num_instances
@@ -83,6 +85,11 @@ class ClusterConfig:
         if self.routing_policy == "weighted":
             sc.parse_profile(self.routing_scorers or sc.DEFAULT_PROFILE)
         self.admission()
+        if self.flow_control is not None:
+            if self.admission_policy != "always-admit":
+                raise ConfigError(f"--flow-control: the gateway queue is the admission policy; drop --admission-policy "
+                                  f"{self.admission_policy} (or --flow-control)")
+            self.flow_control.validate()
         if self.pd:
             pd_rules.pool_masks(self.slots, prefill=self.prefill_instances, decode=self.decode_instances,
                                 num_instances=n)
@@ -193,6 +200,13 @@ def simulate_cluster_views(
         )
         if cluster.pd:
             edims = dataclasses.replace(edims, exit_log=2 * edims.batch_slots, transfers=True)
+        gateway, bands, tenants, slots = None, 1, 1, 0
+        if cluster.flow_control is not None:
+            gateway, bands, tenants = gw.make_params(cluster.flow_control, requests, cluster.queue_depth_threshold,
+                                                     cluster.kv_cache_util_threshold)
+            gateway = gw.padded(gateway, edims.num_requests)
+            depth = cluster.flow_control.max_gateway_queue_depth
+            slots = bucket(max(1, min(len(requests), depth if depth > 0 else 256))) * growth
         profile = cluster.profile()
         prefill_profile, decode_profile = cluster.pool_profiles() if cluster.pd else (None, None)
         cd = loop.ClusterDims(
@@ -202,6 +216,7 @@ def simulate_cluster_views(
             decode_scorers=decode_profile.names if decode_profile is not None else (),
             transfers=bucket(64 * growth) if cluster.pd else 1,
             admission_reads_state=cluster.admission().reads_state,
+            gateway_slots=slots, gateway_bands=bands, gateway_tenants=tenants,
         )
         slots = jnp.arange(cluster.slots)
         prefill_role, decode_role = (pd_rules.pool_masks(cluster.slots, prefill=cluster.prefill_instances,
@@ -218,6 +233,7 @@ def simulate_cluster_views(
             pd=cluster.pd_config() if cluster.pd else None,
             kv_bytes_per_token=jnp.asarray(float(kv_bytes_per_token), jnp.float64),
             total_kv_blocks=deployed.total_kv_blocks, max_model_len=deployed.max_model_len,
+            gateway=gateway,
         )
         req = request_arrays(requests, edims)
         key = jax.random.fold_in(jax.random.key(cluster.seed), 0x5217)  # the routing subsystem's stream
@@ -236,6 +252,8 @@ def simulate_cluster_views(
             if bool(loop.finished(cs, cparams, params, req)):
                 break
         code = int(jnp.bitwise_or.reduce(cs.instances.result)) | int(cs.result)
+        if cs.gateway is not None and bool(cs.gateway.full):
+            code |= results.GATEWAY_FULL
         if code & results.GROWABLE and growth < 64:
             growth *= 4
             continue
@@ -284,7 +302,21 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
         fields, views = _pd_parents(fields, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n)
     rejected = np.asarray(host.rejected[:n]) | np.asarray(host.routing_rejected[:n])
     fields["status"][rejected] = so.REJECTED
+    if host.gateway is not None:
+        fields.update(_gateway_outcomes(fields["status"], host.gateway, n))
     return so.SimOutput(**fields, result=code), views
+
+
+def _gateway_outcomes(status: np.ndarray, g, n: int) -> dict:
+    """Statuses of the requests that ended at the gateway, and every request's queue delay."""
+    outcome = np.asarray(g.outcome[:n])
+    status = status.copy()
+    for code, terminal in ((gw.QUEUED, so.GATEWAY_QUEUED), (gw.REJECTED, so.GATEWAY_REJECTED),
+                           (gw.SHED, so.GATEWAY_SHED), (gw.EXPIRED, so.GATEWAY_EXPIRED)):
+        status[outcome == code] = terminal
+    dispatched = np.asarray(g.dispatched_us[:n])
+    delay = np.where(dispatched >= 0, dispatched - np.asarray(g.enqueued_us[:n]), -1)
+    return {"status": status, "gateway_delay_us": delay}
 
 
 def combine(lanes: list[so.SimOutput], handled: np.ndarray) -> dict:

@@ -22,10 +22,17 @@ LENGTH_CAPPED = 4   # force-completed at max_model_len − 1: a completion in ev
 TIMED_OUT = 5       # cancelled at its deadline
 DROPPED = 6         # unservable at enqueue (max_model_len / KV capacity guards)
 REJECTED = 7        # refused by cluster admission (never reached an instance)
+# flow control (cluster/gateway.py): outcomes at the gateway queue, before any instance
+GATEWAY_QUEUED = 8  # still in the gateway queue when the run stopped
+GATEWAY_REJECTED = 9  # refused by the gateway queue (band or queue full)
+GATEWAY_SHED = 10  # queued, then shed for a more important request
+GATEWAY_EXPIRED = 11  # queued longer than --request-ttl
 
 STATUS_NAMES = {NOT_ARRIVED: "not_arrived", QUEUED: "queued", RUNNING: "running",
                 COMPLETED: "completed", LENGTH_CAPPED: "length_capped", TIMED_OUT: "timed_out",
-                DROPPED: "dropped", REJECTED: "rejected"}
+                DROPPED: "dropped", REJECTED: "rejected", GATEWAY_QUEUED: "gateway_queued",
+                GATEWAY_REJECTED: "gateway_rejected", GATEWAY_SHED: "gateway_shed",
+                GATEWAY_EXPIRED: "gateway_expired"}
 
 RESULT_OK = 0  # `result` code of a run that finished without a capacity/overflow problem
 
@@ -90,6 +97,7 @@ class SimOutput:
     still_running: np.ndarray
     kv_allocation_failures: np.ndarray
     result: int = RESULT_OK
+    gateway_delay_us: np.ndarray | None = None  # flow control: dispatch - enqueue per request, -1 if never dispatched
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():
@@ -100,6 +108,9 @@ class SimOutput:
         for name in _COUNTERS:
             object.__setattr__(self, name, _frozen(np.atleast_1d(np.asarray(getattr(self, name))), np.int64))
         object.__setattr__(self, "result", int(self.result))
+        if self.gateway_delay_us is not None:
+            delay = _frozen(np.asarray(self.gateway_delay_us).reshape(-1), np.int64)
+            object.__setattr__(self, "gateway_delay_us", delay)
         self.validate()
 
     @property
@@ -112,7 +123,7 @@ class SimOutput:
 
     def validate(self) -> SimOutput:
         n, i = self.num_requests, self.num_instances
-        for name in _PER_REQUEST:
+        for name in (*_PER_REQUEST, *(("gateway_delay_us",) if self.gateway_delay_us is not None else ())):
             if getattr(self, name).shape != (n,):
                 raise ConfigError(f"SimOutput.{name}: shape {getattr(self, name).shape}, expected ({n},)")
         for name in _COUNTERS:
@@ -149,6 +160,8 @@ class SimOutput:
         runs = np.column_stack([new_index[runs[:, 0]], runs[:, 1:]])
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields.update({name: getattr(self, name)[rows] for name in _PER_REQUEST})
+        if self.gateway_delay_us is not None:
+            fields["gateway_delay_us"] = self.gateway_delay_us[rows]
         fields["itl_runs"] = runs
         return SimOutput(**fields)
 

@@ -14,6 +14,7 @@ STEP_LOG_FULL = 1 << 7  # more steps since the last host read than the step log 
 RUN_LOG_FULL = 1 << 8  # more gap-closed decode runs since the last host read than the run log holds
 INBOX_FULL = 1 << 9  # more routed requests awaiting their enqueue at one instance than the inbox holds
 TRANSFERS_FULL = 1 << 10  # PD cluster: more KV transfers in flight (or unread completions) than held
+GATEWAY_FULL = 1 << 11  # flow control: more requests queued at the gateway (or awaiting routing) than held
 
 _NAMES = {
     ROWS_FULL: "rows_full",
@@ -25,10 +26,11 @@ _NAMES = {
     RUN_LOG_FULL: "run_log_full",
     INBOX_FULL: "inbox_full",
     TRANSFERS_FULL: "transfers_full",
+    GATEWAY_FULL: "gateway_full",
 }
 
 GROWABLE = (ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL | WINDOW_FULL | STEP_LOG_FULL | RUN_LOG_FULL
-            | INBOX_FULL | TRANSFERS_FULL)
+            | INBOX_FULL | TRANSFERS_FULL | GATEWAY_FULL)
 
 
 def describe(code: int) -> str:
