@@ -396,3 +396,42 @@ def test_part_takes_every_nth_scenario(tmp_path):
     assert [s.values["rate"] for s in select_part(specs, (1, 3))] == [2, 5]
     rc, _, err = cli("sweep", write_grid(tmp_path / "g.yaml", {"axes": {"rate": [1]}}), "--part", "3/2")
     assert rc == 2 and "--part '3/2'" in err
+
+
+def test_a_lane_that_fills_its_starting_batch_slots_is_rerun_wider():
+    """Lanes start with few running-batch slots (`InstanceLane.batch_start`); a lane whose batch
+    fills them while max-num-seqs allows more stops with BATCH_FULL and is rerun with 4x the
+    slots, so its outputs equal a run at max-num-seqs slots."""
+    from blis_jax.engine import results
+    from blis_jax.engine.params import make_engine_params
+    from blis_jax.workload.distribution import DistributionWorkload, GaussianLength, generate_distribution
+
+    codes = []
+
+    class NarrowLane(InstanceLane):
+        batch_start = 8  # the smallest bucket
+
+        @staticmethod
+        def result_code(state) -> int:
+            codes.append(int(state.result))
+            return int(state.result)
+
+    workload = DistributionWorkload(rate=40.0, num_requests=60, prompt=GaussianLength(150, 50, 20, 300),
+                                    output=GaussianLength(40, 10, 10, 80))
+    requests = generate_distribution(workload, seed=3)
+    params = make_engine_params(max_num_seqs=32, total_kv_blocks=2000, max_num_batched_tokens=512)
+    lane = NarrowLane(requests=requests, params=params, model=sim_model())
+    narrow = lane.dims()
+    assert narrow.batch_slots == 8 and lane.dims(4).batch_slots == 32
+    (out,) = batch.run_lanes([lane], lambda _, o: o)
+    assert codes == [results.BATCH_FULL, 0]  # the batch wanted a 9th request: rerun with 32 slots
+    want = sim.simulate_instance(requests, params, sim_model())
+    assert out.result == 0
+    for name in ("status", "ttft_us", "e2e_us", "itl_sum_us", "num_itl", "sched_delay_us", "output_tokens"):
+        assert (getattr(out, name) == getattr(want, name)).all(), name
+    assert (out.itl_pool()[0] == want.itl_pool()[0]).all() and (out.itl_pool()[1] == want.itl_pool()[1]).all()
+
+
+def sim_model():
+    from engine_helpers import latency_model
+    return latency_model()

@@ -156,11 +156,14 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
     """Phase 2: admit queue heads while batch room, budget and KV blocks allow."""
     bs = dims.block_size
 
-    def cond(c, ops):
+    def wants_more(c, ops):
         params, _, active, preempted = ops
         state, budget, stop = c
         return (active & ~stop & ~preempted & (state.batch_len < params.max_num_seqs) & (state.wait_len > 0)
                 & (budget > 0))
+
+    def cond(c, ops):
+        return wants_more(c, ops) & (c[0].batch_len < dims.batch_slots)
 
     def body(c, ops, on):
         params, req, _, _ = ops
@@ -220,5 +223,9 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         state = set_row(set_status(state, r, RUNNING, admit), r, row, admit)
         return state, jnp.where(admit, budget - n, budget), stop | (on & ~admit)
 
-    state, budget, _ = masked_while(cond, body, (state, budget, jnp.asarray(False)), (params, req, active, preempted))
-    return state
+    ops = (params, req, active, preempted)
+    state, budget, stop = masked_while(cond, body, (state, budget, jnp.asarray(False)), ops)
+    # Slots fewer than max-num-seqs (a sweep starts small): the scheduler would admit more, so
+    # the run is redone with more slots instead of continuing with a different schedule.
+    full = wants_more((state, budget, stop), ops)
+    return dataclasses.replace(state, result=state.result | jnp.where(full, results.BATCH_FULL, 0).astype(jnp.int32))

@@ -89,6 +89,7 @@ def choose_dims(
     step_log: int | None = None,
     num_sessions: int = 0,
     trace_steps: bool = False,
+    batch_start: int | None = None,
 ) -> EngineDims:
     """Pick bucketed capacities for a request set and engine settings.
 
@@ -97,11 +98,15 @@ def choose_dims(
     `step_log` is the number of steps the ITL step log holds between two host reads: the chunked
     driver reads it after every chunk, so it passes its chunk size; the default bounds the steps
     of a whole run (one decode or one prefill chunk per request and token), for `run_to_end`.
+    `batch_start`: running-batch slots at growth 1 (× growth after each overflow, up to
+    max-num-seqs) instead of max-num-seqs: a lightly loaded run then runs narrow, and one that
+    fills its slots reports BATCH_FULL and is rerun wider (the sweep's lanes; per-iteration cost
+    grows with the slots).
     """
     n = len(input_len)
     max_tokens = int(np.max(input_len + output_len)) if n else 1
     per_request = math.ceil((max_tokens + 2) / block_size) + 1
-    batch = bucket(max_num_seqs)
+    batch = bucket(max_num_seqs if batch_start is None else min(max_num_seqs, batch_start * growth))
     kv = bucket(total_kv_blocks, 16)
     groups = int(prefix_group.max()) + 1 if n and prefix_group.max() >= 0 else 1
     shared = int((prefix_len // block_size).max()) if n else 0

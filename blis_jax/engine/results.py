@@ -15,6 +15,7 @@ RUN_LOG_FULL = 1 << 8  # more gap-closed decode runs since the last host read th
 INBOX_FULL = 1 << 9  # more routed requests awaiting their enqueue at one instance than the inbox holds
 TRANSFERS_FULL = 1 << 10  # PD cluster: more KV transfers in flight (or unread completions) than held
 GATEWAY_FULL = 1 << 11  # flow control: more requests queued at the gateway (or awaiting routing) than held
+BATCH_FULL = 1 << 12  # the running batch filled its slots while max-num-seqs allowed more (dims.batch_slots)
 
 _NAMES = {
     ROWS_FULL: "rows_full",
@@ -27,10 +28,11 @@ _NAMES = {
     INBOX_FULL: "inbox_full",
     TRANSFERS_FULL: "transfers_full",
     GATEWAY_FULL: "gateway_full",
+    BATCH_FULL: "batch_full",
 }
 
 GROWABLE = (ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL | WINDOW_FULL | STEP_LOG_FULL | RUN_LOG_FULL
-            | INBOX_FULL | TRANSFERS_FULL | GATEWAY_FULL)
+            | INBOX_FULL | TRANSFERS_FULL | GATEWAY_FULL | BATCH_FULL)
 
 
 def describe(code: int) -> str:
