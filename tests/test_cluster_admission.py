@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cluster_helpers import router_state
 from shared_data import needs_blis_diff
 
 from blis_jax.cluster import admission as adm
-from blis_jax.cluster import signals
 from blis_jax.errors import ConfigError
 
 
@@ -185,17 +185,6 @@ def test_blis_diff_e01_token_bucket_rejections():
 
 
 # ================================================================ tier-shed and gaie-legacy
-
-
-def router_state(queue_depth, batch_size, in_flight, kv_utilization, active):
-    n = len(queue_depth)
-    live = signals.InstanceSignals(
-        queue_depth=jnp.asarray(queue_depth, jnp.int64), batch_size=jnp.asarray(batch_size, jnp.int64),
-        kv_utilization=jnp.asarray(kv_utilization, jnp.float64), free_kv_blocks=jnp.zeros(n, jnp.int64),
-        kv_tokens_in_use=jnp.zeros(n, jnp.int64), kv_tokens_capacity=jnp.zeros(n, jnp.int64),
-        cache_hit_rate=jnp.zeros(n, jnp.float64), preemption_count=jnp.zeros(n, jnp.int64))
-    return signals.RouterState(signals=live, in_flight=jnp.asarray(in_flight, jnp.int64),
-                               active=jnp.asarray(active, bool))
 
 
 def decide_loaded(policy, priority, rs):
