@@ -435,3 +435,19 @@ def test_a_lane_that_fills_its_starting_batch_slots_is_rerun_wider():
 def sim_model():
     from engine_helpers import latency_model
     return latency_model()
+
+
+def test_switches_are_true_false_settings():
+    """`run` switches (--flow-control, --queue-shedding, --pd-transfer-contention, ...) are
+    settings with true / false values: true gives the flag, false leaves it out."""
+    from blis_jax.sweep import settings
+
+    grid = parse_grid({"base": {"saturation-detector": "concurrency"},
+                       "axes": {"flow-control": [True], "queue-shedding": [False, "true"]}})
+    specs = grid.scenarios()
+    assert [s.settings["queue-shedding"] for s in specs] == ["false", "true"]
+    args = [settings.parse_run_args(s.settings, "grid") for s in specs]
+    assert [(a.flow_control, a.queue_shedding, a.saturation_detector) for a in args] == [
+        (True, False, "concurrency"), (True, True, "concurrency")]
+    with pytest.raises(ConfigError, match="flow-control: 'yes' must be true or false"):
+        parse_grid({"axes": {"flow-control": ["yes"]}})

@@ -31,7 +31,7 @@ class Setting:
 
     key: str  # canonical flag name without the leading dashes
     dest: str  # argparse destination
-    kind: type  # int, float or str
+    kind: type  # int, float, str, or bool for a switch (true: the flag is given)
     choices: tuple[str, ...] | None
 
 
@@ -51,9 +51,10 @@ def settings_schema() -> Mapping[str, Setting]:
     schema: dict[str, Setting] = {}
     for action in _run_parser()._actions:
         longs = [o[2:] for o in action.option_strings if o.startswith("--")]
-        if not longs or longs[0] in NOT_SETTINGS or action.nargs == 0:
+        switch = isinstance(action, argparse._StoreTrueAction)  # e.g. --flow-control: true / false
+        if not longs or longs[0] in NOT_SETTINGS or (action.nargs == 0 and not switch):
             continue
-        setting = Setting(key=longs[0], dest=action.dest, kind=action.type or str,
+        setting = Setting(key=longs[0], dest=action.dest, kind=bool if switch else (action.type or str),
                           choices=tuple(action.choices) if action.choices else None)
         for name in longs:
             schema[name] = setting
@@ -90,6 +91,11 @@ def value_token(key: str, value: Any, where: str) -> str:
     setting = settings_schema()[key]
     if key in LIST_SETTINGS:
         return _number_list(value, f"{where}.{key}")
+    if setting.kind is bool:
+        text = str(value).lower() if isinstance(value, (bool, str)) else ""
+        if text not in ("true", "false"):
+            raise ConfigError(f"{where}.{key}: {value!r} must be true or false (a switch of `blis-jax run`)")
+        return text
     if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
         raise ConfigError(f"{where}.{key}: {value!r} is not a valid value; give {_expected(setting)}")
     if setting.kind is int:
@@ -111,7 +117,7 @@ def value_token(key: str, value: Any, where: str) -> str:
 def _expected(setting: Setting) -> str:
     if setting.choices:
         return f"one of {', '.join(setting.choices)}"
-    return {int: "an integer", float: "a number"}.get(setting.kind, "a string")
+    return {int: "an integer", float: "a number", bool: "true or false"}.get(setting.kind, "a string")
 
 
 def _number_list(value: Any, where: str) -> str:
@@ -136,8 +142,12 @@ def _number_list(value: Any, where: str) -> str:
 def run_argv(settings: Mapping[str, str]) -> list[str]:
     """Run-flag tokens of checked settings ({key: token})."""
     argv: list[str] = []
+    schema = settings_schema()
     for key, token in settings.items():
-        argv += [f"--{key}", token]
+        if schema[key].kind is bool:  # a switch: present or absent
+            argv += [f"--{key}"] if token == "true" else []
+        else:
+            argv += [f"--{key}", token]
     return argv
 
 
