@@ -451,3 +451,36 @@ def test_switches_are_true_false_settings():
         (True, False, "concurrency"), (True, True, "concurrency")]
     with pytest.raises(ConfigError, match="flow-control: 'yes' must be true or false"):
         parse_grid({"axes": {"flow-control": ["yes"]}})
+
+
+@pytest.mark.slow  # three cluster programs: 8 slots, the regrown 32, and max-num-seqs for the reference
+def test_a_cluster_that_fills_its_starting_batch_slots_is_rerun_wider(monkeypatch):
+    """A sweep's cluster scenario starts with few batch slots per instance; a full batch
+    (BATCH_FULL) reruns the whole cluster wider, with outputs equal to a run at max-num-seqs."""
+    from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster
+    from blis_jax.engine import dims as engine_dims
+    from blis_jax.engine.params import make_engine_params
+    from blis_jax.workload.distribution import DistributionWorkload, GaussianLength, generate_distribution
+
+    workload = DistributionWorkload(rate=80.0, num_requests=120, prompt=GaussianLength(150, 50, 20, 300),
+                                    output=GaussianLength(40, 10, 10, 80))
+    requests = generate_distribution(workload, seed=3)
+    params = make_engine_params(max_num_seqs=32, total_kv_blocks=2000, max_num_batched_tokens=512)
+    cluster = ClusterConfig(num_instances=2, routing_policy="weighted", routing_scorers="queue-depth:1",
+                            snapshot_refresh_interval_us=0)
+    slots = []
+    choose = engine_dims.choose_dims
+
+    def spy(*args, **kwargs):
+        dims = choose(*args, **kwargs)
+        slots.append(dims.batch_slots)
+        return dims
+
+    import blis_jax.cluster.simulate as cluster_simulate
+    monkeypatch.setattr(cluster_simulate, "choose_dims", spy)
+    narrow = simulate_cluster(requests, params, sim_model(), cluster, batch_start=8)
+    assert slots == [8, 32], slots  # the first attempt filled its 8 slots
+    wide = simulate_cluster(requests, params, sim_model(), cluster)
+    assert narrow.result == wide.result == 0
+    for name in ("status", "ttft_us", "e2e_us", "itl_sum_us", "num_itl", "sched_delay_us", "handled_by"):
+        assert (getattr(narrow, name) == getattr(wide, name)).all(), name

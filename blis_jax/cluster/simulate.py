@@ -175,11 +175,14 @@ def simulate_cluster_views(
     prefill_pool: deploy.PoolDeployment | None = None,
     decode_pool: deploy.PoolDeployment | None = None,
     progress: Callable[[int, int, int], None] | None = None,
+    batch_start: int | None = None,
 ) -> tuple[so.SimOutput, InstanceViews | None]:
     """`simulate_cluster`, plus the per-instance views when there are PD pools.
     `kv_bytes_per_token` (per GPU of the prefill pool) sizes KV transfers; a `prefill_pool` /
     `decode_pool` deployment runs that pool on its own hardware and TP (the prefill pool's
-    then sizes the transfers); `progress(done, total, sim_us)` is called between chunks."""
+    then sizes the transfers); `progress(done, total, sim_us)` is called between chunks;
+    `batch_start`: running-batch slots to start with (`dims.choose_dims`; a full batch reruns
+    the cluster wider, same outputs)."""
     cluster = cluster.validate()
     if (prefill_pool or decode_pool) and not cluster.pd:
         raise ConfigError("--prefill-hardware/--prefill-tp/--decode-hardware/--decode-tp configure PD pools: "
@@ -196,7 +199,7 @@ def simulate_cluster_views(
             prefix_len=requests.prefix_len, max_num_seqs=int(params.max_num_seqs),
             max_num_batched_tokens=int(params.max_num_batched_tokens), total_kv_blocks=kv_blocks,
             block_size=block_size, scheduler=scheduler, preemption_policy=preemption_policy, growth=growth,
-            step_log=events_per_chunk,
+            step_log=events_per_chunk, batch_start=batch_start,
         )
         if cluster.pd:
             edims = dataclasses.replace(edims, exit_log=2 * edims.batch_slots, transfers=True)

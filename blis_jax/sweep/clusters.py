@@ -32,12 +32,14 @@ from blis_jax.cluster.deployments import PoolDeployment, largest_kv_blocks
 from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster
 from blis_jax.engine.dims import EngineDims, bucket, choose_dims
 from blis_jax.engine.params import EngineParams
+from blis_jax.sweep.lane import BATCH_START
 from blis_jax.sweep.progress import SweepProgress
 from blis_jax.workload.requests import RequestSet
 
 # Events between two host reads of the ITL logs; also sizes the step log (so it is part of the
-# program's shape). simulate_cluster's default, which `blis-jax run` uses without --progress,
-# so a sweep and a run of the same scenario share their compiled program.
+# program's shape). simulate_cluster's default, which `blis-jax run` uses without --progress.
+# The running batch starts at BATCH_START slots, as the sweep's lanes do (a full batch reruns
+# the cluster wider), where `run` takes max-num-seqs slots: above 32 the programs differ.
 EVENTS_PER_CHUNK = 200_000
 
 
@@ -72,7 +74,7 @@ class ClusterScenario:
                            total_kv_blocks=largest_kv_blocks(self.params, self.prefill_pool, self.decode_pool),
                            block_size=self.block_size,
                            scheduler=self.scheduler, preemption_policy=self.preemption_policy,
-                           step_log=EVENTS_PER_CHUNK)
+                           step_log=EVENTS_PER_CHUNK, batch_start=BATCH_START)
 
     def group_key(self) -> tuple:
         """Scenarios with equal keys share one compiled cluster program (given equal slots).
@@ -94,7 +96,7 @@ class ClusterScenario:
                                 block_size=self.block_size, scheduler=self.scheduler,
                                 preemption_policy=self.preemption_policy, events_per_chunk=EVENTS_PER_CHUNK,
                                 kv_bytes_per_token=self.kv_bytes_per_token, prefill_pool=self.prefill_pool,
-                                decode_pool=self.decode_pool)
+                                decode_pool=self.decode_pool, batch_start=BATCH_START)
 
 
 def plan_groups(scenarios: Sequence[ClusterScenario]) -> list[tuple[int, list[int]]]:
