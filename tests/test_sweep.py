@@ -398,6 +398,7 @@ def test_part_takes_every_nth_scenario(tmp_path):
     assert rc == 2 and "--part '3/2'" in err
 
 
+@pytest.mark.slow  # three compiled programs (CI time)
 def test_a_lane_that_fills_its_starting_batch_slots_is_rerun_wider():
     """Lanes start with few running-batch slots (`InstanceLane.batch_start`); a lane whose batch
     fills them while max-num-seqs allows more stops with BATCH_FULL and is rerun with 4x the
