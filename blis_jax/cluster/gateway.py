@@ -228,10 +228,9 @@ def next_expiry(gs: GatewayState, gp: GatewayParams):
     """(slot, time) of the next TTL expiry (INF_TIME: none)."""
     valid = (gs.queue >= 0) & (gp.ttl_us > 0)
     at = jnp.where(valid, gs.enqueued_us[jnp.maximum(gs.queue, 0)] + gp.ttl_us, INF_TIME)
+    best = jnp.min(at)
     # same time: the older request first (pushed first)
-    key = jnp.where(valid, at, INF_TIME)
-    best = jnp.min(key)
-    slot = jnp.argmin(jnp.where(valid & (key == best), gs.queue, jnp.iinfo(jnp.int32).max))
+    slot = jnp.argmin(jnp.where(valid & (at == best), gs.queue, jnp.iinfo(jnp.int32).max))
     return slot, best
 
 

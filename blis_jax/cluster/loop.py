@@ -108,8 +108,8 @@ class ClusterParams(eqx.Module):
     pd: pd_rules.PDConfig | None  # decider and transfer settings (None without pools)
     kv_bytes_per_token: Float64[Array, ""]  # per GPU of the prefill pool's TP (transfer sizes)
     total_kv_blocks: Int64[Array, " I"]  # each slot's own (deployments.py); the engine params' is unused
-    gateway: gw.GatewayParams | None  # flow control (None without)
     max_model_len: Int64[Array, " I"]
+    gateway: gw.GatewayParams | None  # flow control (None without)
 
 
 class ClusterState(eqx.Module):
@@ -247,43 +247,53 @@ def next_arrival(cs: ClusterState, cparams: ClusterParams, params: EngineParams,
         r, t_route = gw.next_to_route(cs.gateway, cparams.routing_latency_us)
         t_route = jnp.where(t_route <= params.horizon_us, t_route, INF_TIME)
         return r, t_route, t_route
-    n = req.arrival.shape[0]
-    r = jnp.minimum(cs.next_request, n - 1)
-    t_admit = req.arrival[r] + cparams.admission_latency_us
+    r, t_admit, left = _arrival_cursor(cs.next_request, cparams, req)
     t_route = t_admit + cparams.routing_latency_us
-    left = (cs.next_request < n) & req.valid[r] & (t_route <= params.horizon_us)
+    left = left & (t_route <= params.horizon_us)
     return r, jnp.where(left, t_admit, INF_TIME), jnp.where(left, t_route, INF_TIME)
+
+
+def _arrival_cursor(count, cparams: ClusterParams, req: RequestArrays):
+    """(request, admission time, whether it exists) of the request after the first `count`
+    in arrival order."""
+    n = req.arrival.shape[0]
+    r = jnp.minimum(count, n - 1)
+    return r, req.arrival[r] + cparams.admission_latency_us, (count < n) & req.valid[r]
 
 
 def next_admission(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays):
     """(request, admission time) of the next admission decision of a state-reading policy;
     INF_TIME when none is left (as `next_arrival`, for requests routed before the horizon)."""
-    n = req.arrival.shape[0]
-    r = jnp.minimum(cs.next_admission, n - 1)
-    t_admit = req.arrival[r] + cparams.admission_latency_us
-    left = (cs.next_admission < n) & req.valid[r] & (t_admit + cparams.routing_latency_us <= params.horizon_us)
+    r, t_admit, left = _arrival_cursor(cs.next_admission, cparams, req)
+    left = left & (t_admit + cparams.routing_latency_us <= params.horizon_us)
     return r, jnp.where(left, t_admit, INF_TIME)
 
 
 def gateway_events(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays):
     """Flow control: (request and time of the next enqueue, slot and time of the next TTL
     expiry, time of the next dispatch tick); INF_TIME past the horizon or when none."""
-    n = req.arrival.shape[0]
-    r = jnp.minimum(cs.next_admission, n - 1)
-    t_enqueue = req.arrival[r] + cparams.admission_latency_us
-    left = (cs.next_admission < n) & req.valid[r] & (t_enqueue <= params.horizon_us)
+    r, t_enqueue, left = _arrival_cursor(cs.next_admission, cparams, req)
     slot, t_expiry = gw.next_expiry(cs.gateway, cparams.gateway)
     before = lambda t: jnp.where(t <= params.horizon_us, t, INF_TIME)  # noqa: E731
-    return r, jnp.where(left, t_enqueue, INF_TIME), slot, before(t_expiry), before(cs.gateway.tick_at)
+    return r, jnp.where(left, before(t_enqueue), INF_TIME), slot, before(t_expiry), before(cs.gateway.tick_at)
+
+
+def _routing_or_transfer_time(cs: ClusterState, cparams, params, req):
+    _, _, t_route = next_arrival(cs, cparams, params, req)
+    _, t_done = xfer.next_done(cs.transfers)
+    return jnp.minimum(t_route, jnp.where(t_done <= params.horizon_us, t_done, INF_TIME))
+
+
+def _gateway_time(gate):
+    """The earliest of the `gateway_events` times."""
+    _, t_enqueue, _, t_expiry, t_tick = gate
+    return jnp.minimum(t_enqueue, jnp.minimum(t_expiry, t_tick))
 
 
 def next_cluster_time(cs: ClusterState, cparams, params, req):
-    _, _, t_route = next_arrival(cs, cparams, params, req)
-    _, t_done = xfer.next_done(cs.transfers)
-    t = jnp.minimum(t_route, jnp.where(t_done <= params.horizon_us, t_done, INF_TIME))
+    t = _routing_or_transfer_time(cs, cparams, params, req)
     if cs.gateway is not None:
-        _, t_enqueue, _, t_expiry, t_tick = gateway_events(cs, cparams, params, req)
-        t = jnp.minimum(jnp.minimum(t, t_enqueue), jnp.minimum(t_expiry, t_tick))
+        t = jnp.minimum(t, _gateway_time(gateway_events(cs, cparams, params, req)))
     return t
 
 
@@ -319,7 +329,7 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     cache_signal = cs.cache_signal
     if cd.reads_prefix_cache:
         cache_signal = signals.refresh_cache_signal(cache_signal, group_blocks_cached(cs.instances, cd.engine), t_route)
-    in_flight = jnp.maximum(cs.routed - cs.instances.finished, 0)
+    in_flight = _in_flight(cs)
     route_req = _route_request(dataclasses.replace(cs, cache_signal=cache_signal), cd, req, r)
     rr = cs.round_robin
     if not cd.pd:
@@ -386,10 +396,10 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     return decided, jnp.where(disaggregated, prefill, target)
 
 
-def _admission_event(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, on):
-    """AdmissionDecision of a state-reading policy: a RouterState build at the admission time
-    over every routable instance (refreshing the stale snapshot, as a routing build does)."""
-    r, t_admit = next_admission(cs, cparams, params, req)
+def _admission_event(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, req, r, t_admit, on):
+    """AdmissionDecision of request r (a state-reading policy): a RouterState build at the
+    admission time over every routable instance (refreshing the stale snapshot, as a routing
+    build does)."""
     snapshot, rs = _cluster_router_state(cs, cd, cparams, t_admit)
     policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r], adm.cluster_priority(req.priority[r]), rs)
     n = cs.rejected.shape[0]
@@ -408,8 +418,12 @@ def _cluster_router_state(cs: ClusterState, cd: ClusterDims, cparams: ClusterPar
     as a routing build does."""
     live = live_signals(cs.instances, cparams.total_kv_blocks, cd.engine.block_size)
     snapshot = signals.refresh(cs.snapshot, live, now, cparams.active)
-    in_flight = jnp.maximum(cs.routed - cs.instances.finished, 0)
-    return snapshot, signals.router_state(snapshot, in_flight, cparams.active)
+    return snapshot, signals.router_state(snapshot, _in_flight(cs), cparams.active)
+
+
+def _in_flight(cs: ClusterState) -> Int64[Array, " I"]:
+    """Router-owned in-flight requests per instance: routed there and not yet gone."""
+    return jnp.maximum(cs.routed - cs.instances.finished, 0)
 
 
 # ----------------------------------------------------------------------- flow control (gateway.py)
@@ -422,23 +436,16 @@ def _gateway_dispatch(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams,
         snapshot=jax.tree.map(lambda a, b: jnp.where(on, a, b), snapshot, cs.snapshot))
 
 
-def _gateway_enqueue_event(cs: ClusterState, cd: ClusterDims, params, cparams: ClusterParams, req, on):
-    """The next arrival reaches the gateway (its admission time): queued or refused, then one
+def _gateway_enqueue_event(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, r, now, on):
+    """Request r reaches the gateway (its admission time): queued or refused, then one
     dispatch attempt, and a tick pending while the queue is non-empty."""
-    r, now, _, _, _ = gateway_events(cs, cparams, params, req)
     cs = dataclasses.replace(cs, gateway=gw.enqueue(cs.gateway, cparams.gateway, r, now, on),
                              next_admission=cs.next_admission + on)
     cs = _gateway_dispatch(cs, cd, cparams, now, on)
     return dataclasses.replace(cs, gateway=gw.schedule_tick(cs.gateway, cparams.gateway, now, on))
 
 
-def _gateway_expiry_event(cs: ClusterState, cparams: ClusterParams, params, req, on):
-    _, _, slot, _, _ = gateway_events(cs, cparams, params, req)
-    return dataclasses.replace(cs, gateway=gw.expire(cs.gateway, slot, on))
-
-
-def _gateway_tick_event(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, params, req, on):
-    _, _, _, _, now = gateway_events(cs, cparams, params, req)
+def _gateway_tick_event(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, now, on):
     cs = _gateway_dispatch(cs, cd, cparams, now, on)
     return dataclasses.replace(cs, gateway=gw.schedule_tick(cs.gateway, cparams.gateway, now, on, after_tick=True))
 
@@ -591,10 +598,15 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
 
     def body(c, ops, on):
         params, lparams, cparams, req, out_len, model, limit = ops
-        t_cluster = next_cluster_time(c, cparams, params, req)
+        t_cluster = _routing_or_transfer_time(c, cparams, params, req)
         if cd.admission_reads_state:
-            _, t_admission = next_admission(c, cparams, params, req)
+            r_admission, t_admission = next_admission(c, cparams, params, req)
             t_cluster = jnp.minimum(t_cluster, t_admission)
+        if cd.flow_control:
+            # the gateway changes only at cluster events, and at most one of its own events runs
+            # per iteration (routing pops only the dispatched ring): read it once
+            r_enqueue, t_enqueue, expiry_slot, t_expiry, t_tick = gate = gateway_events(c, cparams, params, req)
+            t_cluster = jnp.minimum(t_cluster, _gateway_time(gate))
         t_prefill = _next_prefill_time(c, cparams, params, req, out_len) if cd.pd else INF_TIME
         # A prefill tick first: the prefill pool runs that tick (its earlier events are none),
         # the others only up to it; else everyone runs up to the cluster event.
@@ -610,12 +622,11 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         # transfer completion 6, dispatch tick 7
         if cd.admission_reads_state:
             is_admission = t_admission <= t_cluster
-            c = _admission_event(c, cd, params, cparams, req, go & is_admission)
+            c = _admission_event(c, cd, cparams, req, r_admission, t_admission, go & is_admission)
             go = go & ~is_admission
         if cd.flow_control:
-            _, t_enqueue, _, _, _ = gateway_events(c, cparams, params, req)
             is_enqueue = t_enqueue <= t_cluster
-            c = _gateway_enqueue_event(c, cd, params, cparams, req, go & is_enqueue)
+            c = _gateway_enqueue_event(c, cd, cparams, r_enqueue, t_enqueue, go & is_enqueue)
             go = go & ~is_enqueue
         _, _, t_route = next_arrival(c, cparams, params, req)
         is_arrival = t_route <= t_cluster
@@ -624,9 +635,8 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
             c = _route_ahead(c, cd, params, cparams, req, model, go & is_arrival)
         go = go & ~is_arrival
         if cd.flow_control:
-            _, _, _, t_expiry, t_tick = gateway_events(c, cparams, params, req)
             is_expiry = t_expiry <= t_cluster
-            c = _gateway_expiry_event(c, cparams, params, req, go & is_expiry)
+            c = dataclasses.replace(c, gateway=gw.expire(c.gateway, expiry_slot, go & is_expiry))
             go = go & ~is_expiry
         if cd.pd:
             _, t_done = xfer.next_done(c.transfers)
@@ -634,7 +644,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
             c = _transfer_done(c, cd, go & is_done)
             go = go & ~is_done
         if cd.flow_control:
-            c = _gateway_tick_event(c, cd, cparams, params, req, go & (t_tick <= t_cluster))
+            c = _gateway_tick_event(c, cd, cparams, t_tick, go & (t_tick <= t_cluster))
         return c
 
     return masked_while(cond, body, cs, (params, lparams, cparams, req, out_len, model, event_limit))
