@@ -81,17 +81,15 @@ class KeyColumn:
     def __getitem__(self, rows) -> KeyColumn:
         return KeyColumn(self.data[rows], self.impl)
 
-    def blocks(self):
-        """(start, padded data block, real size): fixed block shapes, so few compilations."""
-        for lo in range(0, len(self), _BLOCK):
-            size = min(_BLOCK, len(self) - lo)
-            block = np.zeros((_block_size(size), *self.data.shape[1:]), np.uint32)
-            block[:size] = self.data[lo:lo + size]
-            yield lo, block, size
 
-
-def _block_size(n: int) -> int:
-    return _SMALL_BLOCK if n <= _SMALL_BLOCK else _BLOCK
+def _blocks(values: np.ndarray):
+    """(start, real size, block of `values` zero-padded to a block size) covering `values`:
+    fixed block shapes, so few compilations (padding values are dropped by the caller)."""
+    for lo in range(0, values.shape[0], _BLOCK):
+        size = min(_BLOCK, values.shape[0] - lo)
+        block = np.zeros((_SMALL_BLOCK if size <= _SMALL_BLOCK else _BLOCK, *values.shape[1:]), np.uint32)
+        block[:size] = values[lo:lo + size]
+        yield lo, size, block
 
 
 @functools.partial(jax.jit, static_argnames="impl")
@@ -119,22 +117,17 @@ def _draws(key, idx, draw: int, which: int) -> np.ndarray:
     if arr.min() < 0 or arr.max() >= 2**32:
         raise ConfigError(f"keyed draw: request index {int(arr.max())} outside the 32-bit index space; "
                           "generate fewer requests per client")
+    column = isinstance(key, KeyColumn)
+    if column and len(key) != arr.size:
+        raise ValueError(f"keyed draw: {len(key)} stream keys for {arr.size} elements")
+    key_blocks = _blocks(key.data) if column else None
     out = np.empty(arr.size, dtype=np.float64)
-    if isinstance(key, KeyColumn):
-        if len(key) != arr.size:
-            raise ValueError(f"keyed draw: {len(key)} stream keys for {arr.size} elements")
-        for lo, block, size in key.blocks():
-            ids = np.zeros(block.shape[0], dtype=np.uint32)
-            ids[:size] = arr[lo:lo + size]
-            values = _block_draws_each(block, ids, jnp.uint32(draw), impl=key.impl)[which]
-            out[lo:lo + size] = np.asarray(values)[:size]
-        return out
-    for lo in range(0, arr.size, _BLOCK):
-        chunk = arr[lo:lo + _BLOCK]
-        ids = np.zeros(_block_size(chunk.size), dtype=np.uint32)
-        ids[:chunk.size] = chunk
-        values = _block_draws(key, jnp.asarray(ids), jnp.uint32(draw))[which]
-        out[lo:lo + chunk.size] = np.asarray(values)[:chunk.size]
+    for lo, size, ids in _blocks(arr):
+        if column:
+            values = _block_draws_each(next(key_blocks)[2], ids, jnp.uint32(draw), impl=key.impl)[which]
+        else:
+            values = _block_draws(key, jnp.asarray(ids), jnp.uint32(draw))[which]
+        out[lo:lo + size] = np.asarray(values)[:size]
     return out
 
 
@@ -148,9 +141,7 @@ def fold(key, data):
         return _fold_in(key, np.uint32(data))
     values = np.broadcast_to(np.asarray(data, np.uint32), (len(key),))
     out = np.empty_like(key.data)
-    for lo, block, size in key.blocks():
-        padded = np.zeros(block.shape[0], np.uint32)
-        padded[:size] = values[lo:lo + size]
+    for (lo, size, block), (_, _, padded) in zip(_blocks(key.data), _blocks(values)):
         out[lo:lo + size] = np.asarray(_fold_each(block, padded, impl=key.impl))[:size]
     return KeyColumn(out, key.impl)
 
