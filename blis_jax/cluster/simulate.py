@@ -192,6 +192,16 @@ def simulate_cluster_views(
     if cluster.pd and kv_bytes_per_token <= 0:
         raise ConfigError("PD disaggregation needs the model's KV bytes per token to size transfers")
     kv_blocks = deploy.largest_kv_blocks(params, prefill_pool, decode_pool)
+    slot_ids = jnp.arange(cluster.slots)
+    prefill_role, decode_role = (pd_rules.pool_masks(cluster.slots, prefill=cluster.prefill_instances,
+                                                     decode=cluster.decode_instances,
+                                                     num_instances=cluster.num_instances)[:2]
+                                 if cluster.pd else (slot_ids < 0, slot_ids >= 0))
+    deployed = deploy.stack_deployments(model, params, cluster.slots, prefill_role, decode_role,
+                                        prefill=prefill_pool, decode=decode_pool)
+    gateway, bands, tenants = (gw.make_params(cluster.flow_control, requests, cluster.queue_depth_threshold,
+                                              cluster.kv_cache_util_threshold)
+                               if cluster.flow_control is not None else (None, 1, 1))
     growth = 1
     while True:
         edims = choose_dims(
@@ -203,13 +213,10 @@ def simulate_cluster_views(
         )
         if cluster.pd:
             edims = dataclasses.replace(edims, exit_log=2 * edims.batch_slots, transfers=True)
-        gateway, bands, tenants, slots = None, 1, 1, 0
-        if cluster.flow_control is not None:
-            gateway, bands, tenants = gw.make_params(cluster.flow_control, requests, cluster.queue_depth_threshold,
-                                                     cluster.kv_cache_util_threshold)
-            gateway = gw.padded(gateway, edims.num_requests)
+        gateway_slots = 0
+        if gateway is not None:
             depth = cluster.flow_control.max_gateway_queue_depth
-            slots = bucket(max(1, min(len(requests), depth if depth > 0 else 256))) * growth
+            gateway_slots = bucket(max(1, min(len(requests), depth if depth > 0 else 256))) * growth
         profile = cluster.profile()
         prefill_profile, decode_profile = cluster.pool_profiles() if cluster.pd else (None, None)
         cd = loop.ClusterDims(
@@ -219,36 +226,28 @@ def simulate_cluster_views(
             decode_scorers=decode_profile.names if decode_profile is not None else (),
             transfers=bucket(64 * growth) if cluster.pd else 1,
             admission_reads_state=cluster.admission().reads_state,
-            gateway_slots=slots, gateway_bands=bands, gateway_tenants=tenants,
+            gateway_slots=gateway_slots, gateway_bands=bands, gateway_tenants=tenants,
         )
-        slots = jnp.arange(cluster.slots)
-        prefill_role, decode_role = (pd_rules.pool_masks(cluster.slots, prefill=cluster.prefill_instances,
-                                                         decode=cluster.decode_instances,
-                                                         num_instances=cluster.num_instances)[:2]
-                                     if cluster.pd else (slots < 0, slots >= 0))
-        deployed = deploy.stack_deployments(model, params, cluster.slots, prefill_role, decode_role,
-                                            prefill=prefill_pool, decode=decode_pool)
         cparams = loop.ClusterParams(
-            active=slots < cluster.num_instances,
+            active=slot_ids < cluster.num_instances,
             admission_latency_us=jnp.asarray(cluster.admission_latency_us, jnp.int64),
             routing_latency_us=jnp.asarray(cluster.routing_latency_us, jnp.int64),
             prefill_role=prefill_role, decode_role=decode_role,
             pd=cluster.pd_config() if cluster.pd else None,
             kv_bytes_per_token=jnp.asarray(float(kv_bytes_per_token), jnp.float64),
             total_kv_blocks=deployed.total_kv_blocks, max_model_len=deployed.max_model_len,
-            gateway=gateway,
+            gateway=gw.padded(gateway, edims.num_requests) if gateway is not None else None,
         )
         req = request_arrays(requests, edims)
         key = jax.random.fold_in(jax.random.key(cluster.seed), 0x5217)  # the routing subsystem's stream
-        model_per_slot = deployed.model
-        cs = _init(cd, params, cparams, req, model_per_slot, cluster.admission(),
+        cs = _init(cd, params, cparams, req, deployed.model, cluster.admission(),
                    (profile, prefill_profile, decode_profile), key, cluster.snapshot_refresh_interval_us,
                    cluster.cache_signal_delay_us)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         limit = 0
         while True:
             limit += events_per_chunk
-            cs = loop.advance(cd, cs, params, cparams, req, model_per_slot, jnp.int64(limit))
+            cs = loop.advance(cd, cs, params, cparams, req, deployed.model, jnp.int64(limit))
             cs = _read_logs(cs, readers)
             if progress is not None:
                 progress(int(jnp.sum(cs.instances.finished)), len(requests), int(jnp.max(cs.instances.now)))
