@@ -688,8 +688,6 @@ def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> Scenari
     util = args.gpu_memory_utilization
     if not (math.isfinite(util) and 0.0 < util <= 1.0):
         raise ConfigError(f"--gpu-memory-utilization {util}: must be in (0, 1], e.g. 0.9")
-    if args.max_model_len < 0:
-        raise ConfigError(f"--max-model-len {args.max_model_len}: must be >= 0 (0 = auto)")
 
     kind, alpha, beta = _latency_coefficients(args)
     arch = load_model(args.model)  # ids are matched case-insensitively, as BLIS lower-cases them
