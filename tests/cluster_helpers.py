@@ -27,3 +27,19 @@ def router_state(qd, bs, in_flight, kvu, active) -> sg.RouterState:
     )
     return sg.RouterState(signals=signals, in_flight=jnp.asarray(in_flight, jnp.int64),
                           active=jnp.asarray(active, bool))
+
+
+def mixed_requests(n: int, rate: float, seed: int, classes, tenants=None):
+    """Poisson arrivals at `rate`, prompts of 50-399 and outputs of 20-149 tokens, SLO classes
+    (and tenants) drawn uniformly from the given lists."""
+    import numpy as np
+
+    from blis_jax.workload.requests import make_request_set
+
+    rng = np.random.default_rng(seed)
+    arrival = np.cumsum(rng.exponential(1e6 / rate, n)).astype(np.int64)
+    columns = dict(input_len=rng.integers(50, 400, n), output_len=rng.integers(20, 150, n),
+                   slo_class=rng.choice(classes, n))
+    if tenants is not None:
+        columns["tenant_id"] = rng.choice(tenants, n)
+    return make_request_set(request_id=np.arange(n), arrival_us=arrival, **columns)

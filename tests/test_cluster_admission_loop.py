@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cluster_helpers import mixed_requests
 from engine_helpers import latency_model
 
 from blis_jax import latency
@@ -30,17 +31,12 @@ from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster
 from blis_jax.engine import output as so
 from blis_jax.engine.params import make_engine_params
 from blis_jax.metrics import anomaly_counters
-from blis_jax.workload.requests import make_request_set
 
 MARGIN_US = 1_000
 
 
 def workload(n: int, rate: float, seed: int):
-    rng = np.random.default_rng(seed)
-    arrival = np.cumsum(rng.exponential(1e6 / rate, n)).astype(np.int64)
-    return make_request_set(request_id=np.arange(n), arrival_us=arrival, input_len=rng.integers(50, 400, n),
-                            output_len=rng.integers(20, 150, n),
-                            slo_class=rng.choice(["standard", "critical", "sheddable", "batch", "background"], n))
+    return mixed_requests(n, rate, seed, ["standard", "critical", "sheddable", "batch", "background"])
 
 
 def test_tier_shed_sheds_low_priorities_while_any_instance_is_busy():

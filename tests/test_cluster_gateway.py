@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cluster_helpers import router_state
+from cluster_helpers import mixed_requests, router_state
 
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster.simulate import ClusterConfig
@@ -167,12 +167,7 @@ def test_flow_control_is_the_admission_policy():
 
 
 def workload(n: int, rate: float, seed: int):
-    rng = np.random.default_rng(seed)
-    arrival = np.cumsum(rng.exponential(1e6 / rate, n)).astype(np.int64)
-    return make_request_set(request_id=np.arange(n), arrival_us=arrival, input_len=rng.integers(50, 400, n),
-                            output_len=rng.integers(20, 150, n),
-                            slo_class=rng.choice(["standard", "critical", "sheddable", "batch"], n),
-                            tenant_id=rng.choice(["a", "b", ""], n))
+    return mixed_requests(n, rate, seed, ["standard", "critical", "sheddable", "batch"], tenants=["a", "b", ""])
 
 
 def simulate(reqs, flow_control=None):
