@@ -39,6 +39,7 @@ def workload(n: int, rate: float, seed: int):
     return mixed_requests(n, rate, seed, ["standard", "critical", "sheddable", "batch", "background"])
 
 
+@pytest.mark.slow  # a cluster program of its own (CI time; the policies' unit tests run by default)
 def test_tier_shed_sheds_low_priorities_while_any_instance_is_busy():
     requests = workload(200, 2.0, 11)
     model = latency_model()
