@@ -79,7 +79,7 @@ def test_runs_with_gaps_rebuild_every_sample(read_every):
                         handled_by=np.zeros(4), itl_step_us=step_us, itl_runs=runs,
                         **{c: 0 for c in ("preemption_count", "kv_hits", "kv_misses", "dropped_unservable",
                                           "timed_out", "length_capped", "total_input_tokens", "sim_end_us",
-                                          "still_queued", "still_running", "kv_allocation_failures")})
+                                          "still_queued", "still_running", "kv_allocation_failures", "peak_batch_size")})
     assert out.itl_samples().tolist() == EXPECTED[0] + EXPECTED[1] + EXPECTED[2]
     values, counts = out.itl_pool(np.array([False, True, True, False]))
     pooled = sorted(np.repeat(values, counts).tolist())

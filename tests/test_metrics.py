@@ -105,6 +105,7 @@ def _case(case: Path):
         ("timed_out", "timed_out_requests"), ("length_capped", "length_capped_requests"),
         ("total_input_tokens", "total_input_tokens"), ("still_queued", "still_queued"),
         ("still_running", "still_running"), ("kv_allocation_failures", "kv_allocation_failures"))}
+    counters["peak_batch_size"] = np.zeros(len(blocks), np.int64)  # not printed by BLIS
     counters["sim_end_us"] = np.array([round(b["vllm_estimated_duration_s"] * 1e6) for b in blocks], np.int64)
     # Only the mean hit rate is published: give every instance that rate as a block ratio.
     rate = Fraction(met["cache_hit_rate"]).limit_denominator(10**9)
@@ -240,7 +241,7 @@ def _synthetic(status, *, handled=None, ttft=None, e2e=None, output=None, num_it
     zeros = np.zeros(instances, np.int64)
     base = {name: zeros for name in ("preemption_count", "kv_hits", "kv_misses", "dropped_unservable", "timed_out",
                                      "length_capped", "total_input_tokens", "still_queued", "still_running",
-                                     "kv_allocation_failures")}
+                                     "kv_allocation_failures", "peak_batch_size")}
     base["sim_end_us"] = zeros + 10**6
     base.update(counters)
     done = np.isin(status, [COMPLETED, LENGTH_CAPPED])

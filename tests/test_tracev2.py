@@ -135,7 +135,7 @@ def _sim_output_from_results(case: Path, requests) -> SimOutput:
                      sched_delay_us=np.full(n, -1), output_tokens=np.zeros(n), handled_by=np.zeros(n),
                      itl_step_us=np.zeros(0), itl_runs=np.zeros((0, 3)), preemption_count=zeros, kv_hits=zeros, kv_misses=zeros,
                      dropped_unservable=zeros, timed_out=zeros, length_capped=zeros, total_input_tokens=zeros,
-                     sim_end_us=zeros, still_queued=zeros, still_running=zeros, kv_allocation_failures=zeros)
+                     sim_end_us=zeros, still_queued=zeros, still_running=zeros, kv_allocation_failures=zeros, peak_batch_size=zeros)
 
 
 @needs_reference
@@ -261,7 +261,7 @@ def test_write_without_results_and_with_unfinished_requests(tmp_path):
                     num_itl=[4, 0], sched_delay_us=[1, -1], output_tokens=[5, 0], handled_by=[0, -1],
                     itl_step_us=[3, 3, 3, 3], itl_runs=[[0, 0, 3]], preemption_count=zeros, kv_hits=zeros, kv_misses=zeros,
                     dropped_unservable=zeros, timed_out=zeros, length_capped=zeros, total_input_tokens=zeros,
-                    sim_end_us=zeros, still_queued=zeros, still_running=zeros, kv_allocation_failures=zeros)
+                    sim_end_us=zeros, still_queued=zeros, still_running=zeros, kv_allocation_failures=zeros, peak_batch_size=zeros)
     rows = list(csv.DictReader(format_records(r, out).splitlines()))
     assert [(x["first_chunk_time_us"], x["last_chunk_time_us"], x["status"]) for x in rows] == \
         [("17", "29", "ok"), ("0", "0", "incomplete")]

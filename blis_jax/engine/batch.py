@@ -228,4 +228,5 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
     # Slots fewer than max-num-seqs (a sweep starts small): the scheduler would admit more, so
     # the run is redone with more slots instead of continuing with a different schedule.
     full = wants_more((state, budget, stop), ops)
-    return dataclasses.replace(state, result=state.result | jnp.where(full, results.BATCH_FULL, 0).astype(jnp.int32))
+    return dataclasses.replace(state, result=state.result | jnp.where(full, results.BATCH_FULL, 0).astype(jnp.int32),
+                               peak_batch_len=jnp.maximum(state.peak_batch_len, state.batch_len))

@@ -41,7 +41,7 @@ _PER_REQUEST = {"status": np.int8, "ttft_us": np.int64, "e2e_us": np.int64, "itl
                 "handled_by": np.int32}
 _COUNTERS = ("preemption_count", "kv_hits", "kv_misses", "dropped_unservable", "timed_out",
              "length_capped", "total_input_tokens", "sim_end_us", "still_queued", "still_running",
-             "kv_allocation_failures")
+             "kv_allocation_failures", "peak_batch_size")
 
 
 def is_completed(status: np.ndarray) -> np.ndarray:
@@ -72,7 +72,8 @@ class SimOutput:
     Per instance (shape [I]): `preemption_count`, `kv_hits`, `kv_misses` (prefix-cache
     blocks), `dropped_unservable`, `timed_out`, `length_capped`, `total_input_tokens`
     (counted at enqueue), `sim_end_us` (min(last event clock, horizon)), `still_queued`,
-    `still_running`, `kv_allocation_failures`. `result` is the engine's result code.
+    `still_running`, `kv_allocation_failures`, `peak_batch_size` (most requests ever in the
+    running batch at once). `result` is the engine's result code.
     """
 
     status: np.ndarray
@@ -96,6 +97,7 @@ class SimOutput:
     still_queued: np.ndarray
     still_running: np.ndarray
     kv_allocation_failures: np.ndarray
+    peak_batch_size: np.ndarray
     result: int = RESULT_OK
     gateway_delay_us: np.ndarray | None = None  # flow control: dispatch - enqueue per request, -1 if never dispatched
 

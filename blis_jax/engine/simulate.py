@@ -337,5 +337,6 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
         still_queued=int(np.sum(status == st.QUEUED)),
         still_running=int(np.sum(status == st.RUNNING)),
         kv_allocation_failures=int(s.kv_alloc_failures),
+        peak_batch_size=int(s.peak_batch_len),
         result=code,
     )

@@ -134,6 +134,7 @@ class EngineState(eqx.Module):
     # running batch (ordered row ids) and wait queue
     batch_rows: Int32[Array, " S"]
     batch_len: Int32[Array, ""]
+    peak_batch_len: Int32[Array, ""]  # largest batch_len so far (sweeps share runs it never reached max-num-seqs in)
     fifo_head: Int32[Array, ""]  # fcfs: first enqueue-order position that may still wait
     front: Int32[Array, " P"]  # fcfs: preempted requests, stack top = queue head
     front_len: Int32[Array, ""]
@@ -257,6 +258,7 @@ def init_state(
         row_blocks=jnp.full((r, dims.blocks_per_request), -1, jnp.int32),
         batch_rows=jnp.full(s, -1, jnp.int32),
         batch_len=i32(0),
+        peak_batch_len=i32(0),
         fifo_head=i32(0),
         front=jnp.full(dims.preempted_slots, -1, jnp.int32),
         front_len=i32(0),
