@@ -76,8 +76,9 @@ class SweepTable:
         return [r for r in self.rows if r[RESULT] != OK]
 
     def to_json(self) -> dict:
+        columns = self.columns  # a scan of every row: once, not per row
         return {"axes": list(self.axes), "metrics": list(self.metrics),
-                "rows": [{c: row.get(c) for c in self.columns} for row in self.rows]}
+                "rows": [{c: row.get(c) for c in columns} for row in self.rows]}
 
 
 def make_row(index: int, values: Mapping[str, Any], code: int, metrics: Mapping[str, Any]) -> dict:
@@ -87,9 +88,10 @@ def make_row(index: int, values: Mapping[str, Any], code: int, metrics: Mapping[
 def write_csv(path: str | Path, table: SweepTable) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(table.columns)
+        columns = table.columns  # a scan of every row: once, not per row
+        writer.writerow(columns)
         for row in table.rows:
-            writer.writerow([_csv_cell(row.get(c)) for c in table.columns])
+            writer.writerow([_csv_cell(row.get(c)) for c in columns])
 
 
 def _csv_cell(value: Any) -> str:
@@ -106,7 +108,8 @@ def write_json(path: str | Path, table: SweepTable) -> None:
 
 def format_text(table: SweepTable, metrics: Sequence[str] = SUMMARY_METRICS) -> str:
     """An aligned text table of the axes, result and a few metrics (for stdout)."""
-    columns = (SCENARIO, *table.axes, RESULT, *[m for m in metrics if m in table.metrics])
+    present = set(table.metrics)
+    columns = (SCENARIO, *table.axes, RESULT, *[m for m in metrics if m in present])
     cells = [[str(c) for c in columns]]
     cells += [[_text_cell(row.get(c)) for c in columns] for row in table.rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
