@@ -7,6 +7,7 @@ exactly as BLIS does (Go ``int64(x)``; NaN and overflow clamp to MaxInt64).
 """
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -14,7 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from blis_jax.config.coefficients import NUM_ALPHA, check_alpha, check_beta, load_coefficients
+from blis_jax.config.coefficients import (
+    NUM_ALPHA,
+    check_alpha,
+    check_beta,
+    load_coefficients,
+)
 from blis_jax.config.hardware import GPUSpec
 from blis_jax.config.model import ModelArch
 from blis_jax.errors import ConfigError
@@ -92,8 +98,26 @@ def build_latency_model(
     """Turn validated config objects into a `LatencyModel`.
 
     Trained-physics defaults to ``fits/trained-physics-iter29.yaml`` for a missing alpha
-    or beta; roofline defaults alpha to zeros and takes no beta.
+    or beta; roofline defaults alpha to zeros and takes no beta. Equal arguments give the same
+    (immutable) model: a sweep builds it once, not once per scenario.
     """
+    args = (kind, arch, gpu, tp, None if alpha is None else tuple(alpha), None if beta is None else tuple(beta),
+            dp, moe_backend)
+    # types too: True == 1 == 1.0, but only some of them are valid
+    key = tuple((type(a), a) for a in args) + tuple(type(c) for c in (*(args[4] or ()), *(args[5] or ())))
+    try:
+        hash(key)
+    except TypeError:  # unhashable coefficients (nested lists): validated and built uncached
+        return _build_latency_model(kind, arch, gpu, tp, alpha, beta, dp, moe_backend)
+    return _cached_latency_model(key, args)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_latency_model(key, args) -> LatencyModel:
+    return _build_latency_model(*args)
+
+
+def _build_latency_model(kind, arch, gpu, tp, alpha, beta, dp, moe_backend) -> LatencyModel:
     if kind not in KINDS:
         raise ConfigError(f"latency model kind {kind!r} is unknown; use one of {KINDS}")
     for label, value in (("tp", tp), ("dp", dp)):

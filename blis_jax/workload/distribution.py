@@ -153,7 +153,13 @@ def clamp_round(x: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def generate_distribution(workload: DistributionWorkload, seed: int) -> RequestSet:
-    """Synthesise the workload; same (workload, seed) → identical arrays."""
+    """Synthesise the workload; same (workload, seed) → identical arrays (the same immutable
+    request set: a sweep's scenarios that differ only in engine settings share it)."""
+    return _generate_distribution(workload, int(seed))
+
+
+@functools.lru_cache(maxsize=64)
+def _generate_distribution(workload: DistributionWorkload, seed: int) -> RequestSet:
     arrivals = arrival_times_us(workload.rate, workload.num_requests, workload.horizon_us)
     n = arrivals.shape[0]
     key = workload_key(seed)
