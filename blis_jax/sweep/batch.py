@@ -2,8 +2,9 @@
 
 Lanes that can share a compiled program (equal `group_key()`) form a group. The group runs at
 one shape that covers every member (`cover` of their own dims; larger capacities never
-change what is simulated), split into equal chunks that fit the memory budget and are
-sharded over the devices. A lane whose result code reports a buffer overflow is rerun, with
+change what is simulated), split into chunks that fit the memory budget and are sharded over
+the devices: vmapped on accelerators, several lanes one after another per device on CPU. The
+next chunk is dispatched before the last one's outputs are read. A lane whose result code reports a buffer overflow is rerun, with
 the group's other overflowing lanes, at grown dims (as `simulate_instance` does), so no row
 is silently wrong. Outputs are reduced lane by lane (`reduce(index, SimOutput)`) so that only
 one lane's SimOutput is alive at a time.
@@ -15,6 +16,7 @@ Nothing here knows the engine: lanes bring their dims, inputs, program and outpu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
@@ -32,20 +34,27 @@ MAX_GROWTH = 64  # as simulate_instance: buffers grow ×4 per retry, up to ×64
 # Compiled batch programs by (lane program, dims, mesh): one jit object per shape, reused
 # across sweeps in a process.
 _PROGRAMS: dict[tuple, Callable] = {}
+_LANE_PROGRAMS: dict[tuple, Callable] = {}
 
 
-def _program(run: Callable, dims: Hashable, mesh, vectorize: bool) -> Callable:
-    """`run(dims, inputs)` over the lanes of a chunk, sharded over the mesh: vmapped, or (one
-    lane per device) called on the device's single lane, which XLA:CPU runs several times
-    faster than a vmap of width 1 (batched scatters)."""
-    key = (run, dims, mesh, vectorize)
+def _program(run: Callable, dims: Hashable, mesh, mode: str) -> Callable:
+    """`run(dims, inputs)` over the lanes of a chunk, sharded over the mesh: vmapped
+    (`"vmap"`), or run one after another on each device (`"map"`; `"one"` for one lane per
+    device), which XLA:CPU runs several times faster than a vmap (batched scatters), with one
+    dispatch per chunk."""
+    key = (run, dims, mesh, mode)
     if key not in _PROGRAMS:
+        # one jit per lane program, so that the programs of one dims trace the engine once
+        if (run, dims) not in _LANE_PROGRAMS:
+            _LANE_PROGRAMS[(run, dims)] = jax.jit(functools.partial(run, dims))
+        lane = _LANE_PROGRAMS[(run, dims)]
 
         def batched(inputs):
-            if vectorize:
-                return jax.vmap(lambda x: run(dims, x))(inputs)
-            one = run(dims, jax.tree.map(lambda a: a[0], inputs))
-            return jax.tree.map(lambda a: a[None], one)
+            if mode == "vmap":
+                return jax.vmap(lane)(inputs)
+            if mode == "one":  # the device's single lane, without a loop around it
+                return jax.tree.map(lambda a: a[None], lane(jax.tree.map(lambda a: a[0], inputs)))
+            return jax.lax.map(lane, inputs)
 
         _PROGRAMS[key] = sharding.shard_batched(batched, mesh)
     return _PROGRAMS[key]
@@ -58,12 +67,20 @@ def compiled_programs() -> int:
 
 @dataclasses.dataclass
 class _Plan:
-    """Lanes of one group to run at one dims, in chunks of `chunk` lanes."""
+    """Lanes of one group to run at one dims, in chunks of `chunk` lanes (vmapped or mapped)."""
 
     lanes: list[int]
     dims: Hashable
     growth: int
     chunk: int
+    mode: str
+
+
+# XLA:CPU runs a vmapped engine slower than the same lanes one after another (batched
+# scatters; per 1k-request scenario: 13 s at width 8, 2.9 s at width 1, 0.8 s without vmap), so
+# on CPU each device runs its lanes of a chunk one after another, this many per chunk: enough
+# that the per-chunk dispatch, transfer and lockstep wait are shared by several lanes.
+CPU_LANES_PER_DEVICE = 8
 
 
 def run_lanes(
@@ -81,36 +98,43 @@ def run_lanes(
     is reduced with that code in `SimOutput.result` (callers must not use its numbers)."""
     mesh = sharding.scenario_mesh(devices)
     budget = memory_budget if memory_budget is not None else memory.default_budget(list(mesh.devices.flat))
-    if max_batch is None and mesh.devices.flat[0].platform == "cpu":
-        # XLA:CPU runs a vmapped engine slower than the same lanes one after another (batched
-        # scatters; per 1k-request scenario: 13 s at width 8, 2.9 s at width 1, 0.8 s without
-        # vmap), so on CPU each device runs one lane at a time; --max-batch overrides.
-        max_batch = mesh.size
+    mode = "vmap"
+    if max_batch is None and mesh.devices.flat[0].platform == "cpu":  # --max-batch asks for a vmap
+        mode, max_batch = "map", CPU_LANES_PER_DEVICE * mesh.size
     groups: dict[Hashable, list[int]] = defaultdict(list)
     for i, lane in enumerate(lanes):
         groups[lane.group_key()].append(i)
-    queue = [_plan(lanes, members, 1, None, max_batch, budget, mesh.size) for members in groups.values()]
+    queue = [_plan(lanes, members, 1, None, max_batch, budget, mesh.size, mode) for members in groups.values()]
     results: list = [None] * len(lanes)
-    batch_no = 0
+    batch_no = progress.batches if progress is not None else 0  # numbering goes on across calls
     while queue:
         plan = queue.pop(0)
         retry: list[int] = []
-        chunks = [plan.lanes[k:k + plan.chunk] for k in range(0, len(plan.lanes), plan.chunk)]
-        for k, chunk in enumerate(chunks):
-            batch_no += 1
-            if progress is not None:
-                later = len(chunks) - 1 - k + sum(math.ceil(len(p.lanes) / p.chunk) for p in queue)
-                progress.batch(batch_no, batch_no + later, len(chunk), mesh.size)
-            grow = _run_chunk(lanes, chunk, plan, mesh, results, reduce)
-            retry += grow
-            if progress is not None:
-                progress.finished(sum(getattr(lanes[i], "share", 1.0) for i in chunk if i not in grow))
+        chunks = _chunks(plan, mesh.size)
+        in_flight = None
+        # The next chunk is dispatched before the last one's outputs are read, so the host's
+        # work on outputs overlaps the devices' simulation.
+        for k, chunk in enumerate(chunks + [None]):
+            launched = None
+            if chunk is not None:
+                batch_no += 1
+                if progress is not None:
+                    later = len(chunks) - 1 - k + sum(len(_chunks(p, mesh.size)) for p in queue)
+                    progress.batch(batch_no, batch_no + later, len(chunk), mesh.size)
+                launched = _launch(lanes, chunk, plan, mesh)
+            if in_flight is not None:
+                done_chunk = in_flight[0]
+                grow = _collect(lanes, *in_flight, plan, results, reduce)
+                retry += grow
+                if progress is not None:
+                    progress.finished(sum(getattr(lanes[i], "share", 1.0) for i in done_chunk if i not in grow))
+            in_flight = launched
         if retry:
-            queue.append(_plan(lanes, retry, plan.growth * 4, plan.dims, max_batch, budget, mesh.size))
+            queue.append(_plan(lanes, retry, plan.growth * 4, plan.dims, max_batch, budget, mesh.size, plan.mode))
     return results
 
 
-def _plan(lanes, members: list[int], growth: int, floor, max_batch, budget, ndev) -> _Plan:
+def _plan(lanes, members: list[int], growth: int, floor, max_batch, budget, ndev, mode) -> _Plan:
     """Dims covering `members` (and `floor`), and the chunk size the memory budget allows."""
     members = sorted(members, key=lambda i: lanes[i].work())
     kind = type(lanes[members[0]])
@@ -121,29 +145,53 @@ def _plan(lanes, members: list[int], growth: int, floor, max_batch, budget, ndev
     if max_batch is not None:
         fit = min(fit, max_batch)
     per_device = max(1, fit // ndev)
+    if mode == "map":  # a fixed number of lanes per device (one program; see _chunks)
+        return _Plan(lanes=members, dims=dims, growth=growth, chunk=per_device * ndev, mode="map")
     n_chunks = math.ceil(len(members) / (per_device * ndev))
     chunk = math.ceil(len(members) / n_chunks)
     chunk = math.ceil(chunk / ndev) * ndev  # every device gets the same number of lanes
-    return _Plan(lanes=members, dims=dims, growth=growth, chunk=chunk)
+    return _Plan(lanes=members, dims=dims, growth=growth, chunk=chunk, mode="vmap" if chunk > ndev else "map")
+
+
+def _chunks(plan: _Plan, ndev: int) -> list[list[int]]:
+    """The plan's lanes in chunks of `plan.chunk`. Mapped, a last partial chunk goes as chunks
+    of one lane per device instead: no device runs padding lanes, and a plan compiles at most
+    two programs (lanes per device: `chunk / ndev` and 1)."""
+    full = len(plan.lanes) // plan.chunk * plan.chunk
+    step = ndev if plan.mode == "map" else plan.chunk
+    return ([plan.lanes[k:k + plan.chunk] for k in range(0, full, plan.chunk)]
+            + [plan.lanes[k:k + step] for k in range(full, len(plan.lanes), step)])
 
 
 def _stack(trees):
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)
 
 
-def _run_chunk(lanes, chunk: list[int], plan: _Plan, mesh, results: list, reduce) -> list[int]:
-    """Run one chunk (padded to `plan.chunk` lanes with copies of its last lane, so that every
-    chunk of a plan has one shape), reduce the lanes that are done, and return the lanes to
-    rerun with grown buffers."""
-    padded = chunk + [chunk[-1]] * (plan.chunk - len(chunk))
+def _launch(lanes, chunk: list[int], plan: _Plan, mesh):
+    """Dispatch one chunk (padded to `plan.chunk` lanes with copies of its last lane, so that
+    every chunk of a plan has one shape); returns (chunk, lane order, device state). Lanes are
+    dealt to the devices in turn, so that each device gets a similar share of a sorted chunk."""
+    ndev = mesh.size
+    size = plan.chunk if plan.mode == "vmap" or len(chunk) == plan.chunk else ndev
+    padded = chunk + [chunk[-1]] * (size - len(chunk))
+    order = [padded[d + ndev * k] for d in range(ndev) for k in range(size // ndev)]
     kind = type(lanes[chunk[0]])
-    inputs = _stack([lanes[i].inputs(plan.dims) for i in padded])
-    state = _program(kind.run, plan.dims, mesh, plan.chunk > mesh.size)(sharding.put(inputs, mesh))
+    inputs = _stack([lanes[i].inputs(plan.dims) for i in order])
+    mode = "one" if plan.mode == "map" and size == ndev else plan.mode
+    state = _program(kind.run, plan.dims, mesh, mode)(sharding.put(inputs, mesh))
+    return chunk, order, state
+
+
+def _collect(lanes, chunk: list[int], order: list[int], state, plan: _Plan, results: list, reduce) -> list[int]:
+    """Reduce the lanes of a launched chunk that are done; returns the lanes to rerun with
+    grown buffers."""
     host = jax.device_get(state)
     del state
+    kind = type(lanes[chunk[0]])
+    position = {i: j for j, i in reversed(list(enumerate(order)))}
     grow = []
-    for j, i in enumerate(chunk):
-        lane_state = jax.tree.map(lambda x, j=j: x[j], host)
+    for i in chunk:
+        lane_state = jax.tree.map(lambda x, j=position[i]: x[j], host)
         code = kind.result_code(lane_state)
         if code & result_codes.GROWABLE and plan.growth < MAX_GROWTH:
             grow.append(i)
