@@ -4,6 +4,7 @@
                                           # 1,000 scenarios of 1,000 requests each
     python benchmarks/sweep.py --quick    # 2 rates x 2 instance counts x 2 max-num-seqs x 1 seed, 100 requests
     python benchmarks/sweep.py --seeds 1  # the full grid with one seed (200 scenarios)
+    python benchmarks/sweep.py --no-shared-runs  # every scenario simulated (sweep/shared_runs.py off)
 
 Llama-3.1-8B-Instruct on H100s (TP 1, trained-physics, auto-sized KV cache), BLIS's default
 distribution workload (constant arrivals at the rate, Gaussian 512/256 prompt and output
@@ -70,9 +71,13 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=None, help="number of seeds (default 5, quick 1)")
     ap.add_argument("--max-batch", type=int, default=None, help="passed to blis-jax sweep")
     ap.add_argument("--memory-budget", default=None, help="passed to blis-jax sweep")
+    ap.add_argument("--no-shared-runs", action="store_true",
+                    help="passed to blis-jax sweep: simulate every scenario, even those whose answer an "
+                         "unbound max-num-seqs run already gives (times the engine alone)")
     args = ap.parse_args()
     extra = [flag for flag, value in (("--max-batch", args.max_batch), ("--memory-budget", args.memory_budget))
              if value is not None for flag in (flag, str(value))]
+    extra += ["--no-shared-runs"] if args.no_shared_runs else []
     g = grid(args.quick, args.seeds)
     scenarios = 1
     for values in g["axes"].values():

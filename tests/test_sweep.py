@@ -410,8 +410,6 @@ def test_a_lane_that_fills_its_starting_batch_slots_is_rerun_wider():
     codes = []
 
     class NarrowLane(InstanceLane):
-        batch_start = 8  # the smallest bucket
-
         @staticmethod
         def result_code(state) -> int:
             codes.append(int(state.result))
@@ -421,7 +419,7 @@ def test_a_lane_that_fills_its_starting_batch_slots_is_rerun_wider():
                                     output=GaussianLength(40, 10, 10, 80))
     requests = generate_distribution(workload, seed=3)
     params = make_engine_params(max_num_seqs=32, total_kv_blocks=2000, max_num_batched_tokens=512)
-    lane = NarrowLane(requests=requests, params=params, model=sim_model())
+    lane = NarrowLane(requests=requests, params=params, model=sim_model(), batch_start=8)  # the smallest bucket
     narrow = lane.dims()
     assert narrow.batch_slots == 8 and lane.dims(4).batch_slots == 32
     (out,) = batch.run_lanes([lane], lambda _, o: o)

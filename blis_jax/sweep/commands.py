@@ -71,6 +71,10 @@ def _add_batch_flags(p: argparse.ArgumentParser, part: bool = True) -> None:
         g.add_argument("--part", default=None, metavar="K/N|auto",
                        help="run only scenarios with index %% N == K (one host's share of a multi-host "
                             "sweep); auto: jax.distributed.initialize() and this process's index/count")
+    g.add_argument("--no-shared-runs", action="store_true",
+                   help="simulate every scenario on its own, even where a run's batch never reached "
+                        "max-num-seqs and so also answers the same scenario at a larger max-num-seqs "
+                        "(the answers are identical; for timing the engine alone)")
     g.add_argument("--progress", action="store_true",
                    help="progress lines on stderr even when it is not a terminal")
     g.add_argument("--log", default="warn", metavar="LEVEL",
@@ -96,7 +100,7 @@ def _batch_options(args, stderr: TextIO) -> dict:
     tty = bool(getattr(stderr, "isatty", lambda: False)())
     progress = SweepProgress(stderr, 0, tty=tty, prefix=f"blis-jax {args.command}") if (tty or args.progress) else None
     return {"max_batch": args.max_batch, "memory_budget": budget, "devices": devices, "progress": progress,
-            "part": part}
+            "part": part, "shared_runs": not args.no_shared_runs}
 
 
 def _parse_part(text: str | None) -> tuple[int, int] | None:

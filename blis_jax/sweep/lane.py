@@ -52,9 +52,9 @@ class InstanceLane:
     scheduler: str = "fcfs"
     preemption_policy: str = "fcfs"
     share: float = 1.0  # of a scenario, for progress: 1/N for one of a cluster's N independent instances
+    batch_start: int | None = BATCH_START  # running-batch slots before any overflow (None: max-num-seqs)
 
     run = staticmethod(run_instance)
-    batch_start = BATCH_START  # running-batch slots before any overflow (None: max-num-seqs)
 
     def group_key(self) -> tuple:
         """The model's tree structure holds its static fields (kind, beta mode, MoE
@@ -119,7 +119,7 @@ class SessionLane(InstanceLane):
 
     links: SessionLinks | None = None  # None: no sessions (then this is a plain lane)
     # golden experiments are few and busy: one program at max-num-seqs beats regrowing
-    batch_start = None
+    batch_start: int | None = None
 
     def _links(self) -> SessionLinks:
         return self.links if self.links is not None else SessionLinks.none(len(self.requests))

@@ -23,6 +23,7 @@ from blis_jax.sweep.clusters import ClusterScenario, run_clusters
 from blis_jax.sweep.grid import Grid, ScenarioSpec
 from blis_jax.sweep.lane import InstanceLane
 from blis_jax.sweep.progress import SweepProgress
+from blis_jax.sweep.shared_runs import run_lanes_shared
 from blis_jax.sweep.table import SweepTable, make_row, scenario_metrics
 
 
@@ -55,8 +56,11 @@ def run_sweep(
     devices: Sequence | None = None,
     progress: SweepProgress | None = None,
     part: tuple[int, int] | None = None,
+    shared_runs: bool = True,
 ) -> SweepTable:
-    """Simulate every scenario of `grid` and tabulate the metrics (rows in scenario order)."""
+    """Simulate every scenario of `grid` and tabulate the metrics (rows in scenario order).
+    `shared_runs`: lanes that differ only in a max-num-seqs their batch never reached are
+    simulated once (`shared_runs.py`; identical rows, fewer runs)."""
     specs = select_part(grid.scenarios(), part)
     once = _OnceDiagnostics(diag)
     lanes, clusters = [], []  # (position in specs, lane / cluster scenario)
@@ -97,7 +101,8 @@ def run_sweep(
     outcomes: list = [None] * len(specs)
     if lanes:
         positions = [k for k, _ in lanes]
-        done = run_lanes([lane for _, lane in lanes], reducer(positions), max_batch=max_batch,
+        run = run_lanes_shared if shared_runs else run_lanes
+        done = run([lane for _, lane in lanes], reducer(positions), max_batch=max_batch,
                          memory_budget=memory_budget, devices=devices, progress=progress)
         instance_outputs: dict[int, list] = {k: [] for k in split}
         for k, outcome in zip(positions, done):
