@@ -273,7 +273,7 @@ def _read_logs(cs: loop.ClusterState, readers: list[ItlLogReader]) -> loop.Clust
     """Read every instance's ITL log (one host transfer) and mark it read."""
     host = jax.device_get({f: getattr(cs.instances, f) for f in _LOG_FIELDS})
     for i, reader in enumerate(readers):
-        reader._collect(SimpleNamespace(**{f: v[i] for f, v in host.items()}))
+        reader.collect(SimpleNamespace(**{f: v[i] for f, v in host.items()}))
     instances = dataclasses.replace(cs.instances, step_log_base=jnp.asarray(host["steps"]),
                                     run_len=jnp.zeros_like(cs.instances.run_len))
     return dataclasses.replace(cs, instances=instances)

@@ -67,11 +67,14 @@ class ItlLogReader:
 
     def read(self, state: EngineState) -> EngineState:
         """Copy what the loop logged since the last read; returns `state` with it marked read."""
-        self._collect(state)
+        self.collect(state)
         return dataclasses.replace(state, step_log_base=jnp.asarray(self._read_steps, jnp.int64),
                                    run_len=jnp.asarray(0, jnp.int32))
 
-    def _collect(self, state) -> None:
+    def collect(self, state) -> None:
+        """Copy what the loop logged since the last read from `state`, or from any object with
+        its log fields (a host copy of one instance's); the caller then marks the log read
+        (`step_log_base` = steps, `run_len` = 0), as `read` does."""
         steps, logged = int(state.steps), int(state.step_log_base)
         if logged != self._read_steps:
             raise RuntimeError("ItlLogReader: the state was not the one returned by the last read()")
@@ -97,7 +100,7 @@ class ItlLogReader:
 
     def finish(self, s, num_requests: int, completed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(`itl_step_us`, `itl_runs`) of the completed requests, from the final host state `s`."""
-        self._collect(s)
+        self.collect(s)
         n = num_requests
         step_us = np.concatenate(self._samples) if self._samples else np.zeros(0, np.int32)
         admit = np.asarray(s.out_admit_step[:n])
