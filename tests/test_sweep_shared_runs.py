@@ -3,7 +3,8 @@ and CPU sweeps run several lanes per device one after another (batch.py "map" ch
 
 The scenarios are test_sweep.py's small ones (24 requests, 600 KV blocks), so the lanes run on
 the program shape the sweep tests already compiled: max-num-seqs 2, 4 and 8 all take 8 batch
-slots.
+slots. Scenarios on the cluster engine share runs by the same rule (one weighted-routing
+cluster program, ~10 s).
 """
 
 from __future__ import annotations
@@ -146,3 +147,27 @@ def test_mapped_chunks_equal_one_lane_per_device(monkeypatch):
         for field in ("status", "ttft_us", "e2e_us", "itl_sum_us", "num_itl", "sched_delay_us", "itl_step_us",
                       "itl_runs", "peak_batch_size", "sim_end_us"):
             np.testing.assert_array_equal(getattr(out, field), getattr(want, field), err_msg=field)
+
+
+def test_cluster_engine_scenarios_share_unbound_runs(monkeypatch):
+    """Scenarios on the shared-clock cluster engine (weighted routing) share a run the same way:
+    rows equal separate runs, and a family whose instances never reach max-num-seqs is run once."""
+    from blis_jax.sweep import clusters
+
+    calls = []
+    real = clusters.ClusterScenario.simulate
+
+    def counting(self, slots):
+        calls.append(int(self.params.max_num_seqs))
+        return real(self, slots)
+
+    monkeypatch.setattr(clusters.ClusterScenario, "simulate", counting)
+    grid = {"base": {**BASE, "num-requests": 48, "num-instances": 2, "routing-policy": "weighted"},
+            "axes": {"rate": [2, 80], "max-num-seqs": [2, 4, 8]}}
+    shared = run_sweep(parse_grid(grid))
+    shared_calls, calls[:] = list(calls), []
+    separate = run_sweep(parse_grid(grid), shared_runs=False)
+    assert shared.rows == separate.rows and all(r["result"] == "ok" for r in shared.rows)
+    assert len(calls) == 6 and sorted(shared_calls) == [2, 2, 4, 8]
+    busy = [r["ttft_p99_ms"] for r in shared.rows if r["rate"] == 80]
+    assert len(set(busy)) == 3

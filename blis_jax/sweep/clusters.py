@@ -31,9 +31,11 @@ from blis_jax.cluster import scorers
 from blis_jax.cluster.deployments import PoolDeployment, largest_kv_blocks
 from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster
 from blis_jax.engine.dims import EngineDims, bucket, choose_dims
+from blis_jax.engine.output import RESULT_OK
 from blis_jax.engine.params import EngineParams
 from blis_jax.sweep.lane import BATCH_START
 from blis_jax.sweep.progress import SweepProgress
+from blis_jax.sweep.shared_runs import inputs_digest
 from blis_jax.workload.requests import RequestSet
 
 # Events between two host reads of the ITL logs; also sizes the step log (so it is part of the
@@ -99,6 +101,18 @@ class ClusterScenario:
                                 decode_pool=self.decode_pool, batch_start=BATCH_START)
 
 
+    def family_key(self) -> tuple:
+        """Equal for scenarios that differ at most in max-num-seqs (`shared_runs.py`): the
+        cluster and pool settings by their exact repr, the arrays by digest."""
+        pools = (self.prefill_pool, self.decode_pool)
+        settings = [None if p is None else dataclasses.replace(p, latency_model=None) for p in pools]
+        models = [self.model] + [p.latency_model for p in pools if p is not None]
+        # (not group_key: its engine dims depend on max-num-seqs below 32)
+        return (jax.tree.structure(models), repr(self.cluster), repr(settings), self.block_size, self.scheduler,
+                self.preemption_policy, repr(self.kv_bytes_per_token),
+                inputs_digest(self.params, self.requests, jax.tree.leaves(models)))
+
+
 def plan_groups(scenarios: Sequence[ClusterScenario]) -> list[tuple[int, list[int]]]:
     """[(instance slots, member indices)] per structural group, in first-appearance order."""
     groups: dict[tuple, list[int]] = defaultdict(list)
@@ -114,18 +128,33 @@ def run_clusters(
     *,
     progress: SweepProgress | None = None,
     names: Sequence[Any] | None = None,
+    shared_runs: bool = True,
 ) -> list:
     """Simulate every cluster scenario; returns `[reduce(i, SimOutput of scenario i)]` in
     order. A scenario the engine cannot finish is reduced with its failure code in
-    `SimOutput.result` (simulate_cluster has already regrown its buffers up to its limit)."""
+    `SimOutput.result` (simulate_cluster has already regrown its buffers up to its limit).
+    `shared_runs`: a run in which no instance's batch reached max-num-seqs also answers the
+    scenarios that differ from it only in a max-num-seqs above every instance's peak (the
+    argument of `shared_runs.py`; the cluster reads max-num-seqs nowhere else), so a family is
+    run in ascending max-num-seqs."""
     results: list = [None] * len(scenarios)
-    order = [(slots, i) for slots, members in plan_groups(scenarios) for i in members]
+    limit = [int(s.params.max_num_seqs) for s in scenarios]
+    order = [(slots, i) for slots, members in plan_groups(scenarios)
+             for i in (sorted(members, key=lambda i: limit[i]) if shared_runs else members)]
+    unbound: dict[tuple, list] = defaultdict(list)  # family → [(peak, output)] of runs whose limit never bound
     for k, (slots, i) in enumerate(order):
-        if progress is not None:
-            name = f"scenario {names[i] if names is not None else i}"
-            progress.cluster(k + 1, len(order), f"{name}: {scenarios[i].cluster.num_instances} instances, "
-                                                f"{slots} slots")
-        results[i] = reduce(i, scenarios[i].simulate(slots))
+        family = scenarios[i].family_key() if shared_runs else None
+        out = next((out for peak, out in unbound[family] if peak < limit[i]), None) if shared_runs else None
+        if out is None:
+            if progress is not None:
+                name = f"scenario {names[i] if names is not None else i}"
+                progress.cluster(k + 1, len(order), f"{name}: {scenarios[i].cluster.num_instances} instances, "
+                                                    f"{slots} slots")
+            out = scenarios[i].simulate(slots)
+            peak = int(out.peak_batch_size.max(initial=0))
+            if shared_runs and out.result == RESULT_OK and peak < limit[i]:
+                unbound[family].append((peak, out))
+        results[i] = reduce(i, out)
         if progress is not None:
             progress.finished(1)
     return results

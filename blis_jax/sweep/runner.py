@@ -116,7 +116,7 @@ def run_sweep(
     if clusters:
         positions = [k for k, _ in clusters]
         done = run_clusters([c for _, c in clusters], reducer(positions), progress=progress,
-                            names=[specs[k].index for k in positions])
+                            names=[specs[k].index for k in positions], shared_runs=shared_runs)
         for k, outcome in zip(positions, done):
             outcomes[k] = outcome
     rows = tuple(make_row(spec.index, spec.values, code, metrics)

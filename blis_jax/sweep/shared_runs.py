@@ -38,17 +38,22 @@ def _digest_arrays(h, arrays) -> None:
         h.update(np.ascontiguousarray(a).tobytes())
 
 
+def inputs_digest(params, requests, arrays=()) -> bytes:
+    """Digest of a run's engine settings but max-num-seqs, its requests and more `arrays`
+    (dtype, shape and bytes of each; labels as text)."""
+    h = hashlib.blake2b(digest_size=20)
+    _digest_arrays(h, [getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "max_num_seqs"])
+    _digest_arrays(h, [getattr(requests, f.name) for f in dataclasses.fields(requests)
+                       if isinstance(getattr(requests, f.name), np.ndarray)])
+    _digest_arrays(h, arrays)
+    return h.digest()
+
+
 def family_key(lane) -> tuple | None:
     """Equal for lanes that differ at most in max-num-seqs; None for a lane that never shares."""
     if type(lane) is not InstanceLane:
         return None
-    h = hashlib.blake2b(digest_size=20)
-    params = lane.params
-    _digest_arrays(h, [getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "max_num_seqs"])
-    r = lane.requests
-    _digest_arrays(h, [getattr(r, f.name) for f in dataclasses.fields(r) if isinstance(getattr(r, f.name), np.ndarray)])
-    _digest_arrays(h, jax.tree.leaves(lane.model))
-    return lane.group_key(), h.digest()
+    return lane.group_key(), inputs_digest(lane.params, lane.requests, jax.tree.leaves(lane.model))
 
 
 def run_lanes_shared(lanes: Sequence, reduce: Callable[[int, Any], Any], **run_options) -> list:
