@@ -120,8 +120,8 @@ def test_family_key_separates_every_other_input():
 
 
 def test_mapped_chunks_equal_one_lane_per_device(monkeypatch):
-    """Several lanes per device in one program (lax.map), plus a remainder run one lane per
-    device, give each lane's own `simulate_instance` output."""
+    """Several lanes per device in one program (lax.map), the last chunk padded with idle
+    lanes, give each lane's own `simulate_instance` output."""
 
     monkeypatch.setattr(batch, "CPU_LANES_PER_DEVICE", 2)
     lanes = []
@@ -141,7 +141,8 @@ def test_mapped_chunks_equal_one_lane_per_device(monkeypatch):
     monkeypatch.setattr(batch, "_launch", spy)
     outs = batch.run_lanes(lanes, lambda _, o: o)
     ndev = len(batch.sharding.scenario_mesh().devices.flat)
-    assert modes[0] == ("map", 2 * ndev)  # at least one mapped chunk
+    assert all(mode == "map" for mode, _ in modes) and modes[0][1] == 2 * ndev
+    assert sum(n for _, n in modes) == 5 and modes[-1][1] < 2 * ndev  # a partial last chunk
     for lane, out in zip(lanes, outs):
         want = sim.simulate_instance(lane.requests, lane.params, lane.model)
         for field in ("status", "ttft_us", "e2e_us", "itl_sum_us", "num_itl", "sched_delay_us", "itl_step_us",

@@ -110,7 +110,7 @@ def run_lanes(
     while queue:
         plan = queue.pop(0)
         retry: list[int] = []
-        chunks = _chunks(plan, mesh.size)
+        chunks = _chunks(plan)
         in_flight = None
         # The next chunk is dispatched before the last one's outputs are read, so the host's
         # work on outputs overlaps the devices' simulation.
@@ -119,7 +119,7 @@ def run_lanes(
             if chunk is not None:
                 batch_no += 1
                 if progress is not None:
-                    later = len(chunks) - 1 - k + sum(len(_chunks(p, mesh.size)) for p in queue)
+                    later = len(chunks) - 1 - k + sum(len(_chunks(p)) for p in queue)
                     progress.batch(batch_no, batch_no + later, len(chunk), mesh.size)
                 launched = _launch(lanes, chunk, plan, mesh)
             if in_flight is not None:
@@ -153,14 +153,8 @@ def _plan(lanes, members: list[int], growth: int, floor, max_batch, budget, ndev
     return _Plan(lanes=members, dims=dims, growth=growth, chunk=chunk, mode="vmap" if chunk > ndev else "map")
 
 
-def _chunks(plan: _Plan, ndev: int) -> list[list[int]]:
-    """The plan's lanes in chunks of `plan.chunk`. Mapped, a last partial chunk goes as chunks
-    of one lane per device instead: no device runs padding lanes, and a plan compiles at most
-    two programs (lanes per device: `chunk / ndev` and 1)."""
-    full = len(plan.lanes) // plan.chunk * plan.chunk
-    step = ndev if plan.mode == "map" else plan.chunk
-    return ([plan.lanes[k:k + plan.chunk] for k in range(0, full, plan.chunk)]
-            + [plan.lanes[k:k + step] for k in range(full, len(plan.lanes), step)])
+def _chunks(plan: _Plan) -> list[list[int]]:
+    return [plan.lanes[k:k + plan.chunk] for k in range(0, len(plan.lanes), plan.chunk)]
 
 
 def _stack(trees):
@@ -168,16 +162,19 @@ def _stack(trees):
 
 
 def _launch(lanes, chunk: list[int], plan: _Plan, mesh):
-    """Dispatch one chunk (padded to `plan.chunk` lanes with copies of its last lane, so that
-    every chunk of a plan has one shape); returns (chunk, lane order, device state). Lanes are
-    dealt to the devices in turn, so that each device gets a similar share of a sorted chunk."""
+    """Dispatch one chunk, padded to `plan.chunk` lanes so that every chunk of a plan has one
+    shape: vmapped, with copies of its last lane (a vmapped loop runs until its slowest lane
+    anyway); mapped, with idle lanes (no requests: done at once). Lanes are dealt to the
+    devices in turn, so that each device gets a similar share of a sorted chunk. Returns
+    (chunk, the lane of each position or None for an idle one, device state)."""
     ndev = mesh.size
-    size = plan.chunk if plan.mode == "vmap" or len(chunk) == plan.chunk else ndev
-    padded = chunk + [chunk[-1]] * (size - len(chunk))
-    order = [padded[d + ndev * k] for d in range(ndev) for k in range(size // ndev)]
+    pad = plan.chunk - len(chunk)
+    padded = chunk + ([chunk[-1]] * pad if plan.mode == "vmap" else [None] * pad)
+    order = [padded[d + ndev * k] for d in range(ndev) for k in range(plan.chunk // ndev)]
     kind = type(lanes[chunk[0]])
-    inputs = _stack([lanes[i].inputs(plan.dims) for i in order])
-    mode = "one" if plan.mode == "map" and size == ndev else plan.mode
+    idle = lanes[chunk[-1]].idle_inputs(plan.dims) if None in order else None
+    inputs = _stack([lanes[i].inputs(plan.dims) if i is not None else idle for i in order])
+    mode = "one" if plan.mode == "map" and plan.chunk == ndev else plan.mode
     state = _program(kind.run, plan.dims, mesh, mode)(sharding.put(inputs, mesh))
     return chunk, order, state
 
@@ -188,7 +185,7 @@ def _collect(lanes, chunk: list[int], order: list[int], state, plan: _Plan, resu
     host = jax.device_get(state)
     del state
     kind = type(lanes[chunk[0]])
-    position = {i: j for j, i in reversed(list(enumerate(order)))}
+    position = {i: j for j, i in reversed(list(enumerate(order))) if i is not None}
     grow = []
     for i in chunk:
         lane_state = jax.tree.map(lambda x, j=position[i]: x[j], host)
