@@ -78,8 +78,9 @@ class _Plan:
 
 # XLA:CPU runs a vmapped engine slower than the same lanes one after another (batched
 # scatters; per 1k-request scenario: 13 s at width 8, 2.9 s at width 1, 0.8 s without vmap), so
-# on CPU each device runs its lanes of a chunk one after another, this many per chunk: enough
-# that the per-chunk dispatch, transfer and lockstep wait are shared by several lanes.
+# on CPU each device runs its lanes of a chunk one after another, this many per chunk (unless
+# the lane type sets `cpu_lanes_per_device`): enough that the per-chunk dispatch, transfer and
+# lockstep wait are shared by several lanes.
 CPU_LANES_PER_DEVICE = 8
 
 
@@ -100,7 +101,7 @@ def run_lanes(
     budget = memory_budget if memory_budget is not None else memory.default_budget(list(mesh.devices.flat))
     mode = "vmap"
     if max_batch is None and mesh.devices.flat[0].platform == "cpu":  # --max-batch asks for a vmap
-        mode, max_batch = "map", CPU_LANES_PER_DEVICE * mesh.size
+        mode = "map"
     groups: dict[Hashable, list[int]] = defaultdict(list)
     for i, lane in enumerate(lanes):
         groups[lane.group_key()].append(i)
@@ -145,7 +146,8 @@ def _plan(lanes, members: list[int], growth: int, floor, max_batch, budget, ndev
     if max_batch is not None:
         fit = min(fit, max_batch)
     per_device = max(1, fit // ndev)
-    if mode == "map":  # a fixed number of lanes per device (one program; see _chunks)
+    if mode == "map":  # a fixed number of lanes per device (one program; the last chunk is padded)
+        per_device = min(per_device, getattr(kind, "cpu_lanes_per_device", CPU_LANES_PER_DEVICE))
         return _Plan(lanes=members, dims=dims, growth=growth, chunk=per_device * ndev, mode="map")
     n_chunks = math.ceil(len(members) / (per_device * ndev))
     chunk = math.ceil(len(members) / n_chunks)
