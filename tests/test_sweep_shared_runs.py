@@ -3,8 +3,8 @@ and CPU sweeps run several lanes per device one after another (batch.py "map" ch
 
 The scenarios are test_sweep.py's small ones (24 requests, 600 KV blocks), so the lanes run on
 the program shape the sweep tests already compiled: max-num-seqs 2, 4 and 8 all take 8 batch
-slots. Scenarios on the cluster engine share runs by the same rule (one weighted-routing
-cluster program, ~10 s).
+slots. Scenarios on the cluster engine share runs by the same rule (`-m slow`: a weighted-routing
+cluster program of their own).
 """
 
 from __future__ import annotations
@@ -150,6 +150,7 @@ def test_mapped_chunks_equal_one_lane_per_device(monkeypatch):
             np.testing.assert_array_equal(getattr(out, field), getattr(want, field), err_msg=field)
 
 
+@pytest.mark.slow  # its own weighted-routing cluster program: ~15 s of CI time
 def test_cluster_engine_scenarios_share_unbound_runs(monkeypatch):
     """Scenarios on the shared-clock cluster engine (weighted routing) share a run the same way:
     rows equal separate runs, and a family whose instances never reach max-num-seqs is run once."""

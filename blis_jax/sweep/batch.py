@@ -4,9 +4,9 @@ Lanes that can share a compiled program (equal `group_key()`) form a group. The 
 one shape that covers every member (`cover` of their own dims; larger capacities never
 change what is simulated), split into chunks that fit the memory budget and are sharded over
 the devices: vmapped on accelerators, several lanes one after another per device on CPU. The
-next chunk is dispatched before the last one's outputs are read. A lane whose result code reports a buffer overflow is rerun, with
-the group's other overflowing lanes, at grown dims (as `simulate_instance` does), so no row
-is silently wrong. Outputs are reduced lane by lane (`reduce(index, SimOutput)`) so that only
+next chunk is dispatched before the last one's outputs are read. A lane whose result code
+reports a buffer overflow is rerun, with the group's other overflowing lanes, at grown dims
+(as `simulate_instance` does), so no row is silently wrong. Outputs are reduced lane by lane (`reduce(index, SimOutput)`) so that only
 one lane's SimOutput is alive at a time.
 
 Nothing here knows the engine: lanes bring their dims, inputs, program and output conversion
