@@ -85,7 +85,7 @@ def _distribution(prefix: str, values_us: np.ndarray) -> dict[str, float]:
 
 def _pooled_distribution(prefix: str, values_us: np.ndarray, counts: np.ndarray) -> dict[str, float]:
     """`_distribution` of the sample in which value k occurs counts[k] times (same figures)."""
-    order = np.argsort(values_us, kind="stable")
+    order = np.argsort(values_us)  # equal values are interchangeable: any order gives the same figures
     ordered, ends = np.asarray(values_us, np.int64)[order], np.cumsum(np.asarray(counts, np.int64)[order])
     n = int(ends[-1]) if ends.shape[0] else 0
     total = int((ordered * np.asarray(counts, np.int64)[order]).sum())

@@ -167,12 +167,15 @@ def _launch(lanes, chunk: list[int], plan: _Plan, mesh):
     """Dispatch one chunk, padded to `plan.chunk` lanes so that every chunk of a plan has one
     shape: vmapped, with copies of its last lane (a vmapped loop runs until its slowest lane
     anyway); mapped, with idle lanes (no requests: done at once). Lanes are dealt to the
-    devices in turn, so that each device gets a similar share of a sorted chunk. Returns
+    devices in snake order, so that each device gets a similar share of a sorted chunk. Returns
     (chunk, the lane of each position or None for an idle one, device state)."""
     ndev = mesh.size
     pad = plan.chunk - len(chunk)
     padded = chunk + ([chunk[-1]] * pad if plan.mode == "vmap" else [None] * pad)
-    order = [padded[d + ndev * k] for d in range(ndev) for k in range(plan.chunk // ndev)]
+    # position k·ndev + d of the sorted chunk goes to device d, or to device ndev-1-d in odd
+    # rounds (a snake: no device gets the longer lane of every round)
+    order = [padded[k * ndev + (d if k % 2 == 0 else ndev - 1 - d)] for d in range(ndev)
+             for k in range(plan.chunk // ndev)]
     kind = type(lanes[chunk[0]])
     idle = lanes[chunk[-1]].idle_inputs(plan.dims) if None in order else None
     inputs = _stack([lanes[i].inputs(plan.dims) if i is not None else idle for i in order])

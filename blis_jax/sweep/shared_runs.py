@@ -34,7 +34,7 @@ def _digest_arrays(h, arrays) -> None:
         a = np.asarray(a)
         if a.dtype == object or a.dtype.kind in "USO":
             a = a.astype(str)
-        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(f"{a.dtype.str}{a.shape}".encode())
         h.update(np.ascontiguousarray(a).tobytes())
 
 
