@@ -104,16 +104,16 @@ def build_latency_model(
     args = (kind, arch, gpu, tp, None if alpha is None else tuple(alpha), None if beta is None else tuple(beta),
             dp, moe_backend)
     # types too: True == 1 == 1.0, but only some of them are valid
-    key = tuple((type(a), a) for a in args) + tuple(type(c) for c in (*(args[4] or ()), *(args[5] or ())))
+    types = tuple(map(type, args)) + tuple(type(c) for c in (*(args[4] or ()), *(args[5] or ())))
     try:
-        hash(key)
+        hash(args)
     except TypeError:  # unhashable coefficients (nested lists): validated and built uncached
         return _build_latency_model(kind, arch, gpu, tp, alpha, beta, dp, moe_backend)
-    return _cached_latency_model(key, args)
+    return _cached_latency_model(args, types)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_latency_model(key, args) -> LatencyModel:
+def _cached_latency_model(args, types) -> LatencyModel:
     return _build_latency_model(*args)
 
 

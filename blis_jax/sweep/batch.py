@@ -177,8 +177,9 @@ def _launch(lanes, chunk: list[int], plan: _Plan, mesh):
     order = [padded[k * ndev + (d if k % 2 == 0 else ndev - 1 - d)] for d in range(ndev)
              for k in range(plan.chunk // ndev)]
     kind = type(lanes[chunk[0]])
-    idle = lanes[chunk[-1]].idle_inputs(plan.dims) if None in order else None
-    inputs = _stack([lanes[i].inputs(plan.dims) if i is not None else idle for i in order])
+    built = {i: lanes[i].inputs(plan.dims) for i in chunk}
+    idle = kind.idle(built[chunk[-1]]) if None in order else None
+    inputs = _stack([built[i] if i is not None else idle for i in order])
     mode = "one" if plan.mode == "map" and plan.chunk == ndev else plan.mode
     state = _program(kind.run, plan.dims, mesh, mode)(sharding.put(inputs, mesh))
     return chunk, order, state

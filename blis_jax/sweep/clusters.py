@@ -31,11 +31,10 @@ from blis_jax.cluster import scorers
 from blis_jax.cluster.deployments import PoolDeployment, largest_kv_blocks
 from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster
 from blis_jax.engine.dims import EngineDims, bucket, choose_dims
-from blis_jax.engine.output import RESULT_OK
 from blis_jax.engine.params import EngineParams
 from blis_jax.sweep.lane import BATCH_START
 from blis_jax.sweep.progress import SweepProgress
-from blis_jax.sweep.shared_runs import inputs_digest
+from blis_jax.sweep.shared_runs import inputs_digest, unbound_peak
 from blis_jax.workload.requests import RequestSet
 
 # Events between two host reads of the ITL logs; also sizes the step log (so it is part of the
@@ -100,7 +99,6 @@ class ClusterScenario:
                                 kv_bytes_per_token=self.kv_bytes_per_token, prefill_pool=self.prefill_pool,
                                 decode_pool=self.decode_pool, batch_start=BATCH_START)
 
-
     def family_key(self) -> tuple:
         """Equal for scenarios that differ at most in max-num-seqs (`shared_runs.py`): the
         cluster and pool settings by their exact repr, the arrays by digest."""
@@ -151,8 +149,8 @@ def run_clusters(
                 progress.cluster(k + 1, len(order), f"{name}: {scenarios[i].cluster.num_instances} instances, "
                                                     f"{slots} slots")
             out = scenarios[i].simulate(slots)
-            peak = int(out.peak_batch_size.max(initial=0))
-            if shared_runs and out.result == RESULT_OK and peak < limit[i]:
+            peak = unbound_peak(out, limit[i])
+            if shared_runs and peak is not None:
                 unbound[family].append((peak, out))
         results[i] = reduce(i, out)
         if progress is not None:

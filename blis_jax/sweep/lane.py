@@ -6,7 +6,7 @@ A lane adapts one engine to the batch runner (`batch.run_lanes`), which needs on
 * `dims(growth)` and `cover(dims_list)`: the lane's own static shape (growth multiplies the
   capacities that can overflow) and the smallest shape covering several lanes;
 * `inputs(dims)`: the lane's arrays as one pytree (stacked over lanes by the runner), and
-  `idle_inputs(dims)`: the same shapes simulating nothing (padding);
+  `idle(inputs)`: the same shapes simulating nothing (padding);
 * `run(dims, inputs)`: the whole simulation as a pure, vmappable function;
 * `result_code(state)`, `output(state, dims, code)`: the host-side result (a `SimOutput`);
 * `state_bytes(dims, inputs)` for the memory budget and `work()` for chunk ordering.
@@ -84,10 +84,11 @@ class InstanceLane:
     def inputs(self, dims: EngineDims):
         return (self.params, simulate.request_arrays(self.requests, dims), self.model)
 
-    def idle_inputs(self, dims: EngineDims):
-        """Inputs of the same shape that simulate nothing (no valid request): padding for a
+    @staticmethod
+    def idle(inputs):
+        """`inputs` with no valid request (same shapes, nothing to simulate): padding for a
         device's share of a chunk, done at once."""
-        params, req, model = self.inputs(dims)
+        params, req, model = inputs
         return params, dataclasses.replace(req, valid=np.zeros_like(np.asarray(req.valid))), model
 
     @staticmethod

@@ -49,6 +49,13 @@ def inputs_digest(params, requests, arrays=()) -> bytes:
     return h.digest()
 
 
+def unbound_peak(out, limit: int) -> int | None:
+    """The run's peak batch (over its instances) if it finished and never reached its
+    max-num-seqs `limit`, so that it also answers every limit above the peak; else None."""
+    peak = int(out.peak_batch_size.max(initial=0))
+    return peak if out.result == RESULT_OK and peak < limit else None
+
+
 def family_key(lane) -> tuple | None:
     """Equal for lanes that differ at most in max-num-seqs; None for a lane that never shares."""
     if type(lane) is not InstanceLane:
@@ -75,10 +82,8 @@ def run_lanes_shared(lanes: Sequence, reduce: Callable[[int, Any], Any], **run_o
         def reduce_and_share(k: int, out, heads=heads, followers=followers, carry_on=carry_on):
             i = heads[k]
             rest = followers[i]
-            limit = int(lanes[i].params.max_num_seqs)
-            unbound = out.result == RESULT_OK and int(out.peak_batch_size.max()) < limit
             results[i] = reduce(i, out)
-            if unbound:
+            if unbound_peak(out, int(lanes[i].params.max_num_seqs)) is not None:  # rest: larger limits
                 for j in rest:
                     results[j] = reduce(j, out)
                 if progress is not None and rest:
