@@ -209,3 +209,52 @@ def test_fit_flag_parses_and_is_in_the_command_line():
     with pytest.raises(cli.UsageError, match=r"--load-generator: invalid choice: 'closed'"):
         parser.parse_args(["fit", "--observed", "o.json", "--load-generator", "closed"])
 
+
+
+# ------------------------------------------------------------------------------- fit: output lengths
+
+
+def test_fit_observed_output_lengths_replace_the_configured_length(tmp_path):
+    raw = _experiment(_raw(mode=None, stages=((6.0, 20.0),)))
+    raw["observed"]["output_len_mean"] = 16.4
+    (obs,) = parse_observed({"experiments": [raw]}).experiments
+    assert obs.output_len_mean == 16.4
+    assert F.simulated_output_len(obs, "configured") is None
+    assert F.simulated_output_len(obs, "observed") == 16
+    workload = F.observed_workload(obs.workload, "open-loop", 16)
+    assert workload["inference_perf"]["shared_prefix"]["output_len"] == 16
+    assert workload["inference_perf"]["multi_turn_mode"] == "open-loop"
+    assert obs.workload["inference_perf"]["shared_prefix"]["output_len"] == OUT     # input not modified
+    theta, nb = F.start_vector(load_coefficients())
+    (configured,) = F.prepare([obs], theta, nb, tmp_path, load_generator="open-loop")
+    (observed,) = F.prepare([obs], theta, nb, tmp_path, load_generator="open-loop", output_lengths="observed")
+    assert set(configured.requests.output_len) == {OUT} and set(observed.requests.output_len) == {16}
+    np.testing.assert_array_equal(configured.requests.arrival_us, observed.requests.arrival_us)
+
+
+def test_fit_observed_output_lengths_need_the_observed_mean():
+    (obs,) = parse_observed({"experiments": [_experiment(_raw())]}).experiments
+    assert obs.output_len_mean is None
+    with pytest.raises(ConfigError, match=r"^--output-lengths observed: experiment x has no "
+                                          r"observed.output_len_mean"):
+        F.simulated_output_len(obs, "observed")
+    with pytest.raises(ConfigError, match=r"^--output-lengths 'all': use one of configured, observed"):
+        F.simulated_output_len(obs, "all")
+    clients = {"version": "2", "aggregate_rate": 1.0, "num_requests": 5, "clients": [{"id": "c"}]}
+    with pytest.raises(ConfigError, match=r"^--output-lengths observed: the workload has no "
+                                          r"inference_perf.shared_prefix"):
+        F.observed_workload(clients, "blis", 10)
+    bad = _experiment(_raw())
+    bad["observed"]["output_len_mean"] = -3
+    with pytest.raises(ConfigError, match=r"experiments\[0\].observed.output_len_mean = -3 must be a finite "
+                                          r"number > 0"):
+        parse_observed({"experiments": [bad]})
+
+
+def test_fit_output_lengths_flag():
+    parser = cli.build_parser()
+    args = parser.parse_args(["fit", "--observed", "o.json"])
+    assert args.output_lengths == "configured" == fit_commands.DEFAULTS["output_lengths"]
+    assert fit_commands.OUTPUT_LENGTHS == F.OUTPUT_LENGTHS
+    args = parser.parse_args(["fit", "--observed", "o.json", "--output-lengths", "observed"])
+    assert "--output-lengths observed" in fit_commands._command_line(args)

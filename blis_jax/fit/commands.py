@@ -12,10 +12,11 @@ from blis_jax.config.coefficients import DEFAULT_FIT, load_coefficients
 from blis_jax.errors import ConfigError
 
 LOAD_GENERATORS = ("blis", "open-loop")   # = fit.LOAD_GENERATORS (not imported: keeps the CLI free of jax)
+OUTPUT_LENGTHS = ("configured", "observed")   # = fit.OUTPUT_LENGTHS
 
 LOG_LEVELS = ("trace", "debug", "info", "warn", "warning", "error", "fatal", "panic")
 DEFAULTS = {"outer": 4, "steps": 1000, "lr": 0.05, "trust": 0.5, "patience": 2, "schedule_model": "local",
-            "load_generator": "blis"}
+            "load_generator": "blis", "output_lengths": "configured"}
 
 
 def add_parser(sub) -> None:
@@ -39,6 +40,10 @@ def add_parser(sub) -> None:
                         "closed-loop sessions: a user's next round arrives a think time after its previous one "
                         "completes) or open-loop (inference-perf's generator: Poisson arrivals at the stage rate "
                         "whatever the completions; inference_perf.multi_turn_mode: open-loop)")
+    g.add_argument("--output-lengths", choices=OUTPUT_LENGTHS, default=DEFAULTS["output_lengths"],
+                   help="tokens each simulated request generates: configured (default, the workload's output_len, "
+                        "as BLIS simulates it) or observed (the experiment's observed output_len_mean: real runs "
+                        "stop short of the configured length, Llama-2-7B by ~20 %%)")
     g = p.add_argument_group("what to fit")
     g.add_argument("--params", default=None, metavar="NAME,...",
                    help="coefficients to fit: alpha0..alpha2, beta0..beta10 (slice index of the beta list) or "
@@ -84,7 +89,7 @@ def _command_line(args) -> str:
     for flag, value in (("--experiments", args.experiments), ("--params", args.params), ("--bounds", args.bounds)):
         if value is not None:
             parts += [flag, value]
-    parts += ["--load-generator", args.load_generator]
+    parts += ["--load-generator", args.load_generator, "--output-lengths", args.output_lengths]
     parts += ["--outer", str(args.outer), "--steps", str(args.steps), "--lr", repr(args.lr), "--trust",
               repr(args.trust), "--patience", str(args.patience), "--schedule-model", args.schedule_model]
     for flag, value in (("--cv", args.cv), ("--output", args.output), ("--name", args.name),
@@ -146,9 +151,10 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
             stderr.flush()
 
     say(f"{len(selected)} experiment(s), fitting {', '.join(F.coefficient_label(k) for k in free)} "
-        f"from {start_path}, load generator {args.load_generator}")
+        f"from {start_path}, load generator {args.load_generator}, {args.output_lengths} output lengths")
     with tempfile.TemporaryDirectory(prefix="blis-jax-fit-") as work:
-        exps = F.prepare(selected, theta0, num_betas, work, load_generator=args.load_generator)
+        exps = F.prepare(selected, theta0, num_betas, work, load_generator=args.load_generator,
+                         output_lengths=args.output_lengths)
     sim = F.Simulator(progress=say, keep=theta0)
     result = F.fit(exps, theta0, settings, sim, progress=say)
     cv = F.cross_validate(exps, theta0, settings, args.cv, sim, progress=say) if args.cv else None
@@ -164,7 +170,7 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
         free=free, lo=lo, hi=hi, command=command, version=__version__, cv=cv,
         settings={"outer": args.outer, "steps": args.steps, "lr": args.lr, "trust": args.trust,
                   "patience": args.patience, "schedule_model": args.schedule_model,
-                  "load_generator": args.load_generator})
+                  "load_generator": args.load_generator, "output_lengths": args.output_lengths})
     if args.output:
         R.write_coefficients(args.output, doc)
         load_coefficients(args.output)      # what we wrote must load

@@ -52,6 +52,7 @@ NUM_ALPHA, NUM_BETA = 3, 11
 NUM_COEFFS = NUM_ALPHA + NUM_BETA
 BLIS_BETA_NAMES = ("b1a", "b2a", "b3", "b4", "b5", "b6", "b7", "b8", "b1b", "b2b", "bEP")
 LOAD_GENERATORS = ("blis", "open-loop")   # --load-generator: how inference-perf multi-turn chat is simulated
+OUTPUT_LENGTHS = ("configured", "observed")   # --output-lengths: tokens each simulated request generates
 MIN_FIT_BETAS = 10   # step time is linear in β only in the split modes (10 or 11 betas)
 RELATIVE_CHECK = 1e-6  # affine model vs the fixed-schedule latencies at the proposal (relative)
 
@@ -190,32 +191,55 @@ def _fmt(values) -> str:
     return ",".join(repr(float(v)) for v in values)
 
 
-def observed_workload(workload: dict, load_generator: str = "blis") -> dict:
+def observed_workload(workload: dict, load_generator: str = "blis", output_len: int | None = None) -> dict:
     """The workload spec to simulate for an observed experiment under `load_generator`.
 
     "blis": as recorded (BLIS's encoding: inference-perf multi-turn chat as closed-loop sessions).
     "open-loop": inference-perf multi-turn chat with `inference_perf.multi_turn_mode: open-loop`
     (Poisson arrivals at the stage rate, as inference-perf's generator sent them); workloads without
-    multi-turn inference-perf chat are open-loop already and stay as recorded."""
+    multi-turn inference-perf chat are open-loop already and stay as recorded.
+    `output_len` (None: as configured) replaces the configured output tokens per request."""
     if load_generator not in LOAD_GENERATORS:
         raise ConfigError(f"--load-generator {load_generator!r}: use one of {', '.join(LOAD_GENERATORS)}")
     ip = workload.get("inference_perf")
-    if load_generator == "blis" or not isinstance(ip, dict) or \
-            not (ip.get("shared_prefix") or {}).get("enable_multi_turn_chat"):
+    shared = ip.get("shared_prefix") if isinstance(ip, dict) else None
+    if output_len is not None:
+        if not isinstance(shared, dict):
+            raise ConfigError("--output-lengths observed: the workload has no inference_perf.shared_prefix "
+                              "whose output_len could be set; use --output-lengths configured")
+        shared = {**shared, "output_len": int(output_len)}
+        ip = {**ip, "shared_prefix": shared}
+        workload = {**workload, "inference_perf": ip}
+    if load_generator == "blis" or not isinstance(shared, dict) or not shared.get("enable_multi_turn_chat"):
         return workload
     return {**workload, "inference_perf": {**ip, "multi_turn_mode": "open-loop"}}
 
 
+def simulated_output_len(obs: ObservedExperiment, output_lengths: str) -> int | None:
+    """The output tokens per request to simulate: None keeps the configured length; "observed"
+    takes the run's observed mean (real runs stop short of the configured length, by ~20 % for
+    Llama-2-7B, which a configured-length simulation reads as slower decoding)."""
+    if output_lengths not in OUTPUT_LENGTHS:
+        raise ConfigError(f"--output-lengths {output_lengths!r}: use one of {', '.join(OUTPUT_LENGTHS)}")
+    if output_lengths == "configured":
+        return None
+    if obs.output_len_mean is None:
+        raise ConfigError(f"--output-lengths observed: experiment {obs.id} has no observed.output_len_mean; "
+                          "add it to the observed file or use --output-lengths configured")
+    return max(1, round(obs.output_len_mean))
+
+
 def prepare(experiments: Sequence[ObservedExperiment], theta: np.ndarray, num_betas: int,
-            workdir: str | Path, load_generator: str = "blis") -> list[Prepared]:
+            workdir: str | Path, load_generator: str = "blis",
+            output_lengths: str = "configured") -> list[Prepared]:
     """Resolve each experiment (workload spec written to `workdir`) with the start coefficients;
-    `load_generator` as in `observed_workload`."""
+    `load_generator` as in `observed_workload`, `output_lengths` as in `simulated_output_len`."""
     from blis_jax import cli, golden
 
     alpha, beta = split(theta, num_betas)
     out = []
     for i, o in enumerate(experiments):
-        workload = observed_workload(o.workload, load_generator)
+        workload = observed_workload(o.workload, load_generator, simulated_output_len(o, output_lengths))
         gexp = golden.GoldenExperiment(id=o.id, latency_model="trained-physics", model=o.model, hardware=o.hardware,
                                        tp=o.tp, total_kv_blocks=o.total_kv_blocks, max_num_seqs=o.max_num_seqs,
                                        max_num_batched_tokens=o.max_num_batched_tokens, workload=workload,

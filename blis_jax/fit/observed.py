@@ -48,6 +48,7 @@ class ObservedExperiment:
     ttft_mean_ms: float
     e2e_mean_ms: float
     predictions: Mapping[str, tuple[float, float]]   # block name → (ttft_mean_ms, e2e_mean_ms)
+    output_len_mean: float | None = None   # generated tokens per request, as observed (None: not given)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +171,11 @@ def _experiment(raw: Any, path: Any, where: str) -> ObservedExperiment:
     exp_id = str(exp_id)
     cfg_where = f"{where}.config"
     cfg = _mapping(_need(raw, "config", path, where), path, cfg_where)
-    ttft, e2e = _means(_need(raw, "observed", path, where), path, f"{where}.observed")
+    observed = _mapping(_need(raw, "observed", path, where), path, f"{where}.observed")
+    ttft, e2e = _means(observed, path, f"{where}.observed")
+    output_len = observed.get("output_len_mean")
+    if output_len is not None:
+        output_len = _positive_number(output_len, path, f"{where}.observed.output_len_mean")
     predictions = {name: _means(raw[name], path, f"{where}.{name}") for name in PREDICTION_BLOCKS if name in raw}
     workload = _mapping(_need(cfg, "workload", path, cfg_where), path, f"{cfg_where}.workload")
     cpu = cfg.get("cpu_kv_blocks", 0)
@@ -188,6 +193,7 @@ def _experiment(raw: Any, path: Any, where: str) -> ObservedExperiment:
         ttft_mean_ms=ttft,
         e2e_mean_ms=e2e,
         predictions=predictions,
+        output_len_mean=output_len,
     )
 
 
