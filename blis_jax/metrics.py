@@ -85,13 +85,29 @@ def _distribution(prefix: str, values_us: np.ndarray) -> dict[str, float]:
 
 def _pooled_distribution(prefix: str, values_us: np.ndarray, counts: np.ndarray) -> dict[str, float]:
     """`_distribution` of the sample in which value k occurs counts[k] times (same figures)."""
-    order = np.argsort(values_us)  # equal values are interchangeable: any order gives the same figures
-    ordered, ends = np.asarray(values_us, np.int64)[order], np.cumsum(np.asarray(counts, np.int64)[order])
+    ordered, ends = _ordered_pool(np.asarray(values_us, np.int64), np.asarray(counts, np.int64))
     n = int(ends[-1]) if ends.shape[0] else 0
-    total = int((ordered * np.asarray(counts, np.int64)[order]).sum())
+    total = int((np.asarray(values_us, np.int64) * np.asarray(counts, np.int64)).sum())
     out = {f"{prefix}_mean_ms": float(total) / float(n) / 1000.0 if n else 0.0}
     out.update({f"{prefix}_p{p}_ms": _sorted_percentile_ms(ordered, p, ends) for p in PERCENTILES})
     return out
+
+
+def _ordered_pool(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values of a pooled sample in ascending order, with cumulative counts.
+    Step times span a narrow range of µs, so a histogram over it is several times faster
+    than sorting (a sweep reads one pool per scenario); a wide span falls back to a sort."""
+    if values.shape[0] == 0:
+        return values, counts
+    low = int(values.min())
+    span = int(values.max()) - low + 1
+    if span > 4 * values.shape[0] + 4096:
+        order = np.argsort(values)  # equal values are interchangeable: any order gives the same figures
+        return values[order], np.cumsum(counts[order])
+    # float64 weights are exact: a pool holds far fewer than 2**53 samples
+    histogram = np.bincount(values - low, weights=counts, minlength=span)
+    present = np.flatnonzero(histogram)
+    return present + low, np.cumsum(histogram[present]).astype(np.int64)
 
 
 # ---------------------------------------------------------------------------- per request

@@ -30,6 +30,7 @@ from blis_jax.engine.output import (
     SimOutput,
     itl_from_samples,
 )
+from blis_jax import metrics
 from blis_jax.errors import ConfigError
 from blis_jax.metrics import (
     anomaly_counters,
@@ -338,3 +339,13 @@ def test_go_json_layout():
     with pytest.raises(ConfigError):
         go_float(float("nan"))
     assert yaml.safe_load(go_json({"x": 1.5})) == {"x": 1.5}
+
+
+@pytest.mark.parametrize("span", [50, 40_000, 10**9])   # histogram path (narrow), sort path (wide)
+def test_pooled_distribution_equals_the_expanded_sample(span):
+    rng = np.random.default_rng(span)
+    for n in (0, 1, 7, 5000):
+        values = rng.integers(1000, 1000 + span, n).astype(np.int64)
+        counts = rng.integers(1, 200, n).astype(np.int64)
+        assert metrics._pooled_distribution("itl", values, counts) == \
+            metrics._distribution("itl", np.repeat(values, counts))
