@@ -7,6 +7,9 @@ a `run` with similar sizes) skips compilation. The CLI enables it by default in
 `BLIS_JAX_COMPILE_CACHE` names another directory, or disables the cache with `0`/`off`;
 `blis-jax --no-compile-cache ...` disables it for one command. Library use is unaffected:
 only the CLI entry point calls `enable_compile_cache`.
+
+With the cache on, sweep batch programs are also kept whole, compiled, in the sibling directory
+`<cache>-executables` (`blis_jax.sweep.executables`), which skips their tracing and lowering too.
 """
 
 from __future__ import annotations
@@ -18,6 +21,20 @@ ENV_VAR = "BLIS_JAX_COMPILE_CACHE"
 _OFF = ("0", "off", "false", "no", "none", "")
 # Programs that compile faster than this are not worth a disk round trip.
 MIN_COMPILE_SECONDS = 1.0
+EXECUTABLES_SUFFIX = "-executables"   # sibling of the cache directory: whole compiled sweep programs
+
+_executable_dir: Path | None = None
+
+
+def executable_dir() -> Path | None:
+    """Where compiled sweep programs are kept (None: the CLI's cache is off, or a library call)."""
+    return _executable_dir
+
+
+def set_executable_dir(path: Path | None) -> None:
+    """Keep compiled sweep programs in `path` (None: do not keep them)."""
+    global _executable_dir
+    _executable_dir = None if path is None else Path(path)
 
 
 def cache_dir() -> Path | None:
@@ -46,4 +63,5 @@ def enable_compile_cache(diag=None) -> Path | None:
 
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    set_executable_dir(path.with_name(path.name + EXECUTABLES_SUFFIX))
     return path

@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import blis_jax  # noqa: E402, F401
+from blis_jax.sweep import executables  # noqa: E402
 
 
 # Modules whose compiled programs are large (clusters, sweeps, fits, golden runs): dropped after
@@ -34,4 +35,5 @@ def _drop_compiled_programs(request):
     yield
     if any(word in request.module.__name__ for word in _LARGE_PROGRAMS):
         jax.clear_caches()
+        executables.forget()
         gc.collect()

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from blis_jax.engine import results as result_codes
-from blis_jax.sweep import memory, sharding
+from blis_jax.sweep import executables, memory, sharding
 from blis_jax.sweep.progress import SweepProgress
 
 MAX_GROWTH = 64  # as simulate_instance: buffers grow ×4 per retry, up to ×64
@@ -61,8 +61,9 @@ def _program(run: Callable, dims: Hashable, mesh, mode: str) -> Callable:
 
 
 def compiled_programs() -> int:
-    """Batch programs compiled so far in this process (for tests and benchmarks)."""
-    return sum(fn._cache_size() for fn in _PROGRAMS.values())
+    """Batch programs compiled (or loaded from disk) so far in this process (for tests and
+    benchmarks)."""
+    return sum(fn._cache_size() for fn in _PROGRAMS.values()) + executables.loaded_programs()
 
 
 @dataclasses.dataclass
@@ -181,7 +182,8 @@ def _launch(lanes, chunk: list[int], plan: _Plan, mesh):
     idle = kind.idle(built[chunk[-1]]) if None in order else None
     inputs = _stack([built[i] if i is not None else idle for i in order])
     mode = "one" if plan.mode == "map" and plan.chunk == ndev else plan.mode
-    state = _program(kind.run, plan.dims, mesh, mode)(sharding.put(inputs, mesh))
+    name = f"{kind.run.__module__}.{kind.run.__qualname__} {plan.dims!r} {mode}"
+    state = executables.call(_program(kind.run, plan.dims, mesh, mode), name, sharding.put(inputs, mesh))
     return chunk, order, state
 
 
