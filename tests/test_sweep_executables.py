@@ -110,3 +110,16 @@ def test_second_process_loads_the_programs(tmp_path):
     assert sweep("second") == first
     # loaded, not compiled and written again
     assert {p.name: p.stat().st_mtime_ns for p in entries.iterdir()} == stored
+
+
+def test_prune_keeps_the_most_recently_used(tmp_path):
+    for k, name in enumerate(["old", "middle", "new"]):
+        path = tmp_path / name
+        path.write_bytes(b"x" * 100)
+        os.utime(path, ns=(k * 10**9, k * 10**9))
+    executables._prune(tmp_path, 250)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["middle", "new"]
+    executables._prune(tmp_path, 1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["middle", "new"]
+    executables._prune(tmp_path, 0)
+    assert list(tmp_path.iterdir()) == []

@@ -33,6 +33,10 @@ try:  # equinox's "no value" sentinel in module tree definitions, compared by id
 except ImportError:  # another equinox: the disk cache is off (tree definitions would not round-trip)
     _EQX_MISSING = None
 
+# The directory keeps the most recently used entries up to this size (an entry is a few MB;
+# every edit of the package makes new ones).
+MAX_BYTES = 2 << 30
+
 _LOADED: dict[str, Callable] = {}   # key → compiled program, for this process
 stats = {"loaded": 0, "stored": 0}  # disk hits and writes in this process (tests, benchmarks)
 
@@ -86,6 +90,10 @@ def _load(path: Path) -> Callable | None:
     except Exception:  # noqa: BLE001 - a stale or damaged entry: compile again and overwrite it
         return None
     stats["loaded"] += 1
+    try:
+        os.utime(path)   # recently used: pruned last
+    except OSError:
+        pass
     return compiled
 
 
@@ -103,9 +111,30 @@ def _store(path: Path, compiled):
             f.write(blob)
         os.replace(tmp, path)   # atomic: a concurrent reader sees the old entry or the whole new one
         stats["stored"] += 1
+        _prune(path.parent, MAX_BYTES)
     except Exception:  # noqa: BLE001 - e.g. XLA cannot serialize some programs: only the next process pays
         pass
     return lambda *leaves: compiled(jax.tree.unflatten(in_tree, leaves)[0][0])
+
+
+def _prune(directory: Path, max_bytes: int) -> None:
+    """Delete the least recently used entries until the directory holds at most `max_bytes`."""
+    entries = []
+    for path in directory.iterdir():
+        try:
+            info = path.stat()
+        except OSError:
+            continue
+        entries.append((info.st_mtime_ns, info.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= max_bytes:
+            break
+        try:
+            path.unlink()
+            total -= size
+        except OSError:
+            pass
 
 
 def _dumps(obj) -> bytes:
