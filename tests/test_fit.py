@@ -358,3 +358,16 @@ def test_cli_missing_observed_file(tmp_path):
     code, out, err = _run_cli(["fit", "--observed", str(tmp_path / "missing.json")])
     assert (code, out) == (2, "")
     assert err.startswith("blis-jax fit: error: --observed ") and "does not exist" in err and err.count("\n") == 1
+
+
+def test_trust_radius_halves_on_rejection_and_recovers_on_good_agreement():
+    # rejected (no better): halved
+    assert F.next_radius(0.5, 0.5, 40.0, 30.0, 41.0) == 0.25
+    assert F.next_radius(0.5, 0.5, 40.0, 30.0, 40.0) == 0.25
+    # accepted, 3/4 or more of the predicted 10 points realised: doubled, never above --trust
+    assert F.next_radius(0.125, 0.5, 40.0, 30.0, 32.5) == 0.25
+    assert F.next_radius(0.25, 0.5, 40.0, 30.0, 29.0) == 0.5
+    assert F.next_radius(0.5, 0.5, 40.0, 30.0, 30.0) == 0.5
+    # accepted but below 3/4 of the prediction, or the model predicted no gain: unchanged
+    assert F.next_radius(0.125, 0.5, 40.0, 30.0, 33.0) == 0.125
+    assert F.next_radius(0.125, 0.5, 40.0, 41.0, 39.0) == 0.125

@@ -62,7 +62,8 @@ def add_parser(sub) -> None:
                    help=f"adam learning rate in the transformed space, cosine-decayed (default {DEFAULTS['lr']})")
     g.add_argument("--trust", type=float, default=DEFAULTS["trust"], metavar="R",
                    help="trust region: a coefficient moves at most by a factor e^R per outer iteration (above "
-                        f"its lower bound); halved after a rejected proposal (default {DEFAULTS['trust']})")
+                        f"its lower bound); halved after a rejected proposal, doubled again (up to R) after a step that "
+                        f"realises 3/4 of its predicted improvement (default {DEFAULTS['trust']})")
     g.add_argument("--patience", type=int, default=DEFAULTS["patience"], metavar="N",
                    help=f"stop after N proposals in a row without a better simulated loss (default "
                         f"{DEFAULTS['patience']})")

@@ -51,6 +51,9 @@ from blis_jax.fit.observed import ObservedExperiment, loss_terms
 NUM_ALPHA, NUM_BETA = 3, 11
 NUM_COEFFS = NUM_ALPHA + NUM_BETA
 BLIS_BETA_NAMES = ("b1a", "b2a", "b3", "b4", "b5", "b6", "b7", "b8", "b1b", "b2b", "bEP")
+# An accepted step that realises this share of its predicted improvement doubles the trust
+# radius again (up to --trust), as trust-region methods do.
+GOOD_AGREEMENT = 0.75
 LOAD_GENERATORS = ("blis", "open-loop")   # --load-generator: how inference-perf multi-turn chat is simulated
 OUTPUT_LENGTHS = ("configured", "observed")   # --output-lengths: tokens each simulated request generates
 MIN_FIT_BETAS = 10   # step time is linear in β only in the split modes (10 or 11 betas)
@@ -550,15 +553,28 @@ def fit(exps: Sequence[Prepared], theta0: np.ndarray, settings: FitSettings, sim
         say(f"{label}: outer {it}/{settings.outer}: simulated loss {ev.loss:.3f}% (fixed-schedule prediction "
             f"{approx:.3f}%), best {min(ev.loss, best.loss):.3f}%, trust e^±{radius:.3g}"
             f"{'' if accepted else ', rejected'} [{time.perf_counter() - t_start:.0f} s]")
+        radius = next_radius(radius, settings.trust, best.loss, approx, ev.loss)
         if accepted:
             best, best_results, misses = ev, results, 0
         else:
-            radius, misses = radius / 2.0, misses + 1
+            misses += 1
             if misses >= settings.patience:
                 say(f"{label}: {misses} proposals without improvement; stopping")
                 break
     return FitResult(start=start, best=best, history=history, simulations=sim.runs - runs0,
                      wall_s=time.perf_counter() - t_start)
+
+
+def next_radius(radius: float, trust: float, loss: float, predicted: float, simulated: float) -> float:
+    """The trust radius after a proposal from a point of loss `loss`, with the fixed-schedule
+    model's `predicted` loss and the `simulated` one: halved if the proposal is no better;
+    doubled (up to `trust`) if it realised at least GOOD_AGREEMENT of the predicted improvement,
+    so that a rough start (an overloaded experiment) does not leave every later step tiny."""
+    if not simulated < loss:
+        return radius / 2.0
+    if predicted < loss and simulated <= loss - GOOD_AGREEMENT * (loss - predicted):
+        return min(2.0 * radius, trust)
+    return radius
 
 
 def _check_affine(lin: Linearization, results: Sequence[SimResult], theta: np.ndarray, schedule_model: str,
