@@ -85,9 +85,10 @@ def _distribution(prefix: str, values_us: np.ndarray) -> dict[str, float]:
 
 def _pooled_distribution(prefix: str, values_us: np.ndarray, counts: np.ndarray) -> dict[str, float]:
     """`_distribution` of the sample in which value k occurs counts[k] times (same figures)."""
-    ordered, ends = _ordered_pool(np.asarray(values_us, np.int64), np.asarray(counts, np.int64))
+    values, counts = np.asarray(values_us, np.int64), np.asarray(counts, np.int64)
+    ordered, ends = _ordered_pool(values, counts)
     n = int(ends[-1]) if ends.shape[0] else 0
-    total = int((np.asarray(values_us, np.int64) * np.asarray(counts, np.int64)).sum())
+    total = int((values * counts).sum())
     out = {f"{prefix}_mean_ms": float(total) / float(n) / 1000.0 if n else 0.0}
     out.update({f"{prefix}_p{p}_ms": _sorted_percentile_ms(ordered, p, ends) for p in PERCENTILES})
     return out

@@ -6,8 +6,8 @@ change what is simulated), split into chunks that fit the memory budget and are 
 the devices: vmapped on accelerators, several lanes one after another per device on CPU. The
 next chunk is dispatched before the last one's outputs are read. A lane whose result code
 reports a buffer overflow is rerun, with the group's other overflowing lanes, at grown dims
-(as `simulate_instance` does), so no row is silently wrong. Outputs are reduced lane by lane (`reduce(index, SimOutput)`) so that only
-one lane's SimOutput is alive at a time.
+(as `simulate_instance` does), so no row is silently wrong. Outputs are reduced lane by lane
+(`reduce(index, SimOutput)`) so that only one lane's SimOutput is alive at a time.
 
 Nothing here knows the engine: lanes bring their dims, inputs, program and output conversion
 (`lane.InstanceLane` for one instance; a cluster lane later).
