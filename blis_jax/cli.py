@@ -259,7 +259,8 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--latency-model", choices=LATENCY_MODELS, default=None,
                    help="latency backend (default trained-physics)")
     g.add_argument("--alpha-coeffs", default=None, metavar="A0,A1,A2",
-                   help="trained-physics alpha coefficients, comma-separated (3 values, µs); "
+                   help="trained-physics alpha coefficients, comma-separated (3 values, µs; blis-jax "
+                        "extension: a 4th, the first-token lag in steps, default 0 as in BLIS); "
                         "give together with --beta-coeffs")
     g.add_argument("--beta-coeffs", default=None, metavar="B0,...",
                    help="trained-physics beta coefficients, comma-separated (7 to 11 values); "

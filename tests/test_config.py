@@ -379,8 +379,13 @@ def test_coefficient_file_validation(tmp_path):
     with pytest.raises(ConfigError, match="7 to 11"):
         load_coefficients(path)
     path.write_text("alpha: [1, 2]\nbeta: [1, 2, 3, 4, 5, 6, 7]\n")
-    with pytest.raises(ConfigError, match="exactly 3"):
+    with pytest.raises(ConfigError, match="give 3"):
         load_coefficients(path)
+    path.write_text("alpha: [1, 2, 3, -0.5]\nbeta: [1, 2, 3, 4, 5, 6, 7]\n")
+    with pytest.raises(ConfigError, match=r"alpha\[3\] = -0.5: the first-token lag"):
+        load_coefficients(path)
+    path.write_text("alpha: [1, 2, 3, 0.5]\nbeta: [1, 2, 3, 4, 5, 6, 7]\n")
+    assert load_coefficients(path).alpha == (1.0, 2.0, 3.0, 0.5)
     path.write_text("beta: [1, 2, 3, 4, 5, 6, 7]\n")
     with pytest.raises(ConfigError, match="alpha"):
         load_coefficients(path)

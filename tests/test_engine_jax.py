@@ -91,7 +91,9 @@ def _vmap_lane(k: int):
                 "total_kv_blocks": int(rng.choice([40, 80, 500, 4000])),
                 "horizon_us": int(rng.choice([2_000_000, 50_000_000]))}
     base = latency_model()
-    model = with_coefficients(base, alpha=np.asarray(base.alpha) * rng.uniform(0.5, 2.0, 3),
+    alpha = np.asarray(base.alpha) * rng.uniform(0.5, 2.0, base.alpha.shape[0])
+    alpha[3] = rng.uniform(0.0, 1.5)   # blis-jax's first-token lag varies between lanes too
+    model = with_coefficients(base, alpha=alpha,
                               beta=np.asarray(base.beta) * rng.uniform(0.7, 1.4, base.beta.shape[0]))
     return requests, settings, model
 

@@ -170,30 +170,36 @@ def test_coefficient_names(start):
     # slice-index names and BLIS names address the same slots: beta2 = b3 (weight loading)
     assert F.parse_params("beta2", theta, nb) == F.parse_params("b3", theta, nb) == [F.NUM_ALPHA + 2]
     assert F.parse_params("alpha2,BEP,b7", theta, nb) == [2, F.NUM_ALPHA + 6, F.NUM_ALPHA + 10]
-    assert F.parse_params("all", theta, nb) == list(range(14))
+    # "all": BLIS's coefficients of the mode; the first-token lag only when named or used by the start
+    assert F.parse_params("all", theta, nb) == [k for k in range(F.NUM_COEFFS) if k != F.LAG]
+    assert F.parse_params("alpha3,b3", theta, nb) == [F.LAG, F.NUM_ALPHA + 2]
+    lagged = theta.copy()
+    lagged[F.LAG] = 1.0
+    assert F.parse_params("all", lagged, nb) == list(range(F.NUM_COEFFS))
     # default: the non-zero coefficients (iter29 has b2a = b1b = 0)
-    assert F.parse_params(None, theta, nb) == [k for k in range(14) if k not in (F.NUM_ALPHA + 1, F.NUM_ALPHA + 8)]
+    assert F.parse_params(None, theta, nb) == [k for k in range(F.NUM_COEFFS) if k not in (F.LAG, F.NUM_ALPHA + 1, F.NUM_ALPHA + 8)]
     with pytest.raises(ConfigError, match=r"--params: unknown coefficient 'b99'"):
         F.parse_params("b3,b99", theta, nb)
     with pytest.raises(ConfigError, match=r"beta2 is listed twice"):
         F.parse_params("b3,beta2", theta, nb)
     with pytest.raises(ConfigError, match=r"'bEP' is beta slot 10, but the start coefficients have 10 betas"):
         F.parse_params("bEP", theta, 10)
-    lo, hi = F.parse_bounds("b3=0.5:3,alpha0=:20000", [0, 5], nb)
-    assert (lo[5], hi[5], lo[0], hi[0]) == (0.5, 3.0, 0.0, 20000.0)
+    b3 = F.NUM_ALPHA + 2
+    lo, hi = F.parse_bounds("b3=0.5:3,alpha0=:20000", [0, b3], nb)
+    assert (lo[b3], hi[b3], lo[0], hi[0]) == (0.5, 3.0, 0.0, 20000.0)
     for text, message in (("b3=2:1", "upper bound must exceed"), ("b3=-1:", "lower bound must be"),
                           ("b3", "not NAME=LO:HI"), ("b6=0:1", "beta5 is not fitted"), ("b3=x:2", "'x' is not")):
         with pytest.raises(ConfigError, match=message):
-            F.parse_bounds(text, [5], nb)
+            F.parse_bounds(text, [b3], nb)
 
 
 def test_inner_fit_solves_a_linear_problem_within_its_box():
     # Means affine in θ with a known solution θ*: adam must land on θ* when it is inside the box,
     # and on the box edge (never outside) when the box excludes it.
     rng = np.random.default_rng(3)
-    theta0 = np.zeros(14)
+    theta0 = np.zeros(F.NUM_COEFFS)
     theta0[[0, 5, 9]] = [1000.0, 1.0, 100.0]
-    jac = np.zeros((3, 2, 14))
+    jac = np.zeros((3, 2, F.NUM_COEFFS))
     jac[:, :, [0, 5, 9]] = rng.uniform(0.2, 1.0, (3, 2, 3)) / np.array([1000.0, 1.0, 100.0])
     target = theta0.copy()
     target[[0, 5, 9]] *= [1.3, 0.8, 1.1]
@@ -201,11 +207,11 @@ def test_inner_fit_solves_a_linear_problem_within_its_box():
     obs = means0 + np.einsum("epk,k->ep", jac, target - theta0)
     lin = F.Linearization(theta0=theta0, means0=means0, jac=jac, obs=obs, pred0=means0)
     free = [0, 5, 9]
-    lo, hi = F.trust_box(theta0, free, np.zeros(14), np.full(14, np.inf), 1.0)
+    lo, hi = F.trust_box(theta0, free, np.zeros(F.NUM_COEFFS), np.full(F.NUM_COEFFS, np.inf), 1.0)
     theta, loss = F.inner_fit(lin, free, lo, hi, steps=2000, lr=0.05)
     np.testing.assert_allclose(theta[free], target[free], rtol=1e-4)
     assert loss < 1e-3
-    lo, hi = F.trust_box(theta0, free, np.zeros(14), np.full(14, np.inf), 0.1)   # e^0.1 < 1.3
+    lo, hi = F.trust_box(theta0, free, np.zeros(F.NUM_COEFFS), np.full(F.NUM_COEFFS, np.inf), 0.1)   # e^0.1 < 1.3
     theta, _ = F.inner_fit(lin, free, lo, hi, steps=2000, lr=0.05)
     assert np.all(theta[free] >= lo) and np.all(theta[free] <= hi)
     assert theta[0] == pytest.approx(hi[0], rel=1e-3)
@@ -221,7 +227,7 @@ def traced(synthetic, start):
     runs = []
     for p in synthetic[0]:
         sc = p.scenario
-        model = with_coefficients(sc.latency_model, alpha=theta[:3], beta=theta[3:3 + sc.latency_model.num_betas])
+        model = with_coefficients(sc.latency_model, alpha=theta[:F.NUM_ALPHA], beta=theta[F.NUM_ALPHA:F.NUM_ALPHA + sc.latency_model.num_betas])
         final, out, trace = simulate_traced(p.requests, p.links, p.params, model)
         runs.append((out, schedule_trace(final, out, trace, model)))
     return runs
@@ -231,7 +237,7 @@ def test_local_model_is_exact_and_tracks_resimulation_better_than_chaining(synth
     theta, _ = start
     p = synthetic[0][1]                                    # long-output: requests overlap
     out, trace = traced[1]
-    ttft, e2e = predict_latencies_local(trace, jnp.asarray(theta[:3]), jnp.asarray(theta[3:]))
+    ttft, e2e = predict_latencies_local(trace, jnp.asarray(theta[:F.NUM_ALPHA]), jnp.asarray(theta[F.NUM_ALPHA:]))
     done = out.completed_mask()
     assert done.sum() == 120
     np.testing.assert_array_equal(np.asarray(ttft), out.ttft_us[done].astype(np.float64))
@@ -241,13 +247,59 @@ def test_local_model_is_exact_and_tracks_resimulation_better_than_chaining(synth
     bumped = theta.copy()
     bumped[F.NUM_ALPHA + 2] *= 1.1
     sim = F.simulate(p, bumped, with_trace=False).ttft_mean_ms - F.simulate(p, theta, with_trace=False).ttft_mean_ms
-    args = (jnp.asarray(bumped[:3]), jnp.asarray(bumped[3:]))
-    base = (jnp.asarray(theta[:3]), jnp.asarray(theta[3:]))
+    args = (jnp.asarray(bumped[:F.NUM_ALPHA]), jnp.asarray(bumped[F.NUM_ALPHA:]))
+    base = (jnp.asarray(theta[:F.NUM_ALPHA]), jnp.asarray(theta[F.NUM_ALPHA:]))
     local = float(F.trace_means_ms(trace, *args)[0] - F.trace_means_ms(trace, *base)[0])
     chained = float(F.trace_means_ms(trace, *args, "chained")[0] - F.trace_means_ms(trace, *base, "chained")[0])
     assert sim > 0
     assert abs(local - sim) < 0.5 * sim
     assert abs(chained - sim) > 3 * abs(local - sim)
+
+
+def test_first_token_lag_delays_ttft_and_e2e_only(synthetic, start, traced):
+    # α₃ > 0: each request's first token (and so its E2E) reaches the client trunc(α₃·d_f) µs
+    # later, d_f the duration of its first-token step; the schedule itself does not change.
+    theta, _ = start
+    p = synthetic[0][1]
+    out, trace = traced[1]
+    lagged = theta.copy()
+    lagged[F.LAG] = 0.7
+    sc = p.scenario
+    model = with_coefficients(sc.latency_model, alpha=lagged[:F.NUM_ALPHA],
+                              beta=lagged[F.NUM_ALPHA:F.NUM_ALPHA + sc.latency_model.num_betas])
+    final, out_lag, steps = simulate_traced(p.requests, p.links, p.params, model)
+    lag_trace = schedule_trace(final, out_lag, steps, model)
+    np.testing.assert_array_equal(lag_trace.start_us, trace.start_us)
+    np.testing.assert_array_equal(lag_trace.duration_us, trace.duration_us)
+    done = out.completed_mask()
+    lag = np.trunc(0.7 * trace.duration_us[trace.first_step]).astype(np.int64)
+    assert lag.min() > 0
+    np.testing.assert_array_equal(lag_trace.lag_us_sim, lag)
+    np.testing.assert_array_equal(out_lag.ttft_us[done], out.ttft_us[done] + lag)
+    np.testing.assert_array_equal(out_lag.e2e_us[done], out.e2e_us[done] + lag)
+    # the fixed-schedule models reproduce it exactly from the unlagged schedule's trace
+    for model_name in F.SCHEDULE_MODELS:
+        ttft, e2e = F.latency_predictor(model_name)(trace, jnp.asarray(lagged[:F.NUM_ALPHA]),
+                                                     jnp.asarray(lagged[F.NUM_ALPHA:]))
+        np.testing.assert_allclose(np.asarray(ttft), out_lag.ttft_us[done], rtol=0, atol=1.0)
+        np.testing.assert_allclose(np.asarray(e2e), out_lag.e2e_us[done], rtol=0, atol=1.0)
+
+
+def test_linearization_is_exact_with_the_first_token_lag(start, traced):
+    # means(θ) = means₀ + J·Δθ + Δα₃·(cross·Δβ): exact for the fixed-schedule model, far from θ₀
+    theta, _ = start
+    _, trace = traced[1]
+    base = theta.copy()
+    base[F.LAG] = 0.5
+    means0, jac, cross = F.linearize(trace, base)
+    lin = F.Linearization(theta0=base, means0=means0[None], jac=jac[None], obs=means0[None], pred0=means0[None],
+                          cross=cross[None])
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        th = base * rng.uniform(0.5, 1.5, base.shape)
+        exact = F.trace_means_ms(trace, jnp.asarray(th[:F.NUM_ALPHA]), jnp.asarray(th[F.NUM_ALPHA:]))
+        np.testing.assert_allclose(np.asarray(lin.means(jnp.asarray(th)))[0], np.asarray(exact), rtol=1e-9)
+    assert np.abs(cross).max() > 0   # the cross term is there (α₃·d_f with d_f affine in β)
 
 
 @pytest.mark.parametrize("schedule_model", F.SCHEDULE_MODELS)
@@ -259,7 +311,7 @@ def test_loss_gradient_matches_central_differences(synthetic, start, traced, sch
 
     @jax.jit
     def loss(th):
-        m = jnp.stack([F.trace_means_ms(t, th[:3], th[3:], schedule_model) for t in traces])
+        m = jnp.stack([F.trace_means_ms(t, th[:F.NUM_ALPHA], th[F.NUM_ALPHA:], schedule_model) for t in traces])
         return loss_terms(m[:, 0], m[:, 1], obs[:, 0], obs[:, 1])[2]
 
     grad = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(theta)))
@@ -290,7 +342,7 @@ def test_fit_recovers_known_coefficients_from_a_perturbed_start(synthetic, start
     result = F.fit(exps, theta, settings, F.Simulator())
     assert result.start.loss > 10.0                       # the start is visibly wrong
     np.testing.assert_allclose(result.theta[free], true[free], rtol=0.01)
-    untouched = [k for k in range(14) if k not in free]
+    untouched = [k for k in range(F.NUM_COEFFS) if k not in free]
     np.testing.assert_array_equal(result.theta[untouched], theta[untouched])
     # the reported loss is that of a real simulation at the reported coefficients
     fresh = [F.simulate(p, result.theta, with_trace=False) for p in exps]
@@ -324,11 +376,11 @@ def test_cli_fit_writes_a_loadable_coefficient_file_and_a_report(synthetic, tmp_
     assert prov["loss"]["simulated_pct"] < prov["loss"]["start_pct"]
     assert set(prov["loss"]["per_experiment"]) == {"long-prompt", "long-output"}
     assert prov["command"].startswith("blis-jax fit --observed") and prov["blis_jax_version"]
-    assert len(coeffs.alpha) == 3 and len(coeffs.beta) == 11
+    assert len(coeffs.alpha) == 3 and len(coeffs.beta) == 11   # no first-token lag: BLIS's layout
     # `run --coefficients` resolves it into the latency model
     args = cli.build_parser().parse_args(["run", "--coefficients", str(output)])
     scenario = cli.resolve_scenario(args, cli.Diagnostics(io.StringIO()), horizon_us=None)
-    np.testing.assert_array_equal(np.asarray(scenario.latency_model.alpha), coeffs.alpha)
+    np.testing.assert_array_equal(np.asarray(scenario.latency_model.alpha), list(coeffs.alpha) + [0.0])
     rep = json.loads((report / "report.json").read_text())
     assert [e["id"] for e in rep["experiments"]] == ["long-prompt", "long-output"]
     assert rep["loss"]["fitted"]["loss_pct"] == prov["loss"]["simulated_pct"]

@@ -396,9 +396,12 @@ def test_gradients_match_central_differences(kind):
             + jnp.sum(queueing_time_float(m, input_len))
             + output_token_time_float(m)
             + post_decode_time_float(m)
+            + latency.first_token_lag_float(m, latency.step_time_float(m, feats))
         )
 
-    args = (np.asarray(model.alpha), np.asarray(load_coefficients().beta))
+    alpha = np.asarray(model.alpha).copy()
+    alpha[3] = 0.8   # a first-token lag, so its derivative (and its β cross term) is exercised
+    args = (alpha, np.asarray(load_coefficients().beta))
     grads = jax.jit(jax.grad(total, argnums=(0, 1)))(*args)
     numeric = (_central_differences(total, args, 0), _central_differences(total, args, 1))
     chex.assert_trees_all_close(grads, numeric, rtol=1e-6, atol=1e-6)

@@ -72,6 +72,23 @@ def test_means_match_whole_run_differences_in_the_smooth_case(smooth, metric):
         assert e.rel_diff < 0.05, (metric, name, e.derivative, e.check)
 
 
+def test_first_token_lag_derivative_matches_whole_runs():
+    # blis-jax's α₃ (first-token lag 0.5 steps): TTFT and E2E move by the mean first-token step
+    # per unit, ITL not at all; whole-run central differences agree (the schedule does not move)
+    from blis_jax.config import load_coefficients
+
+    iter29 = load_coefficients()
+    alpha = ",".join(repr(a) for a in iter29.alpha) + ",0.5"
+    run, _, _ = _resolve("--num-requests", "200", "--rate", "0.8", "--alpha-coeffs", alpha,
+                         "--beta-coeffs", ",".join(repr(b) for b in iter29.beta))
+    table = S.sensitivities(run, ("ttft_mean", "e2e_mean", "itl_mean"), ("alpha3",), check=True, step=STEP)
+    ttft, e2e, itl = (table.entry(m, "alpha3") for m in ("ttft_mean", "e2e_mean", "itl_mean"))
+    assert ttft.check_method == S.METHOD_CENTRAL and ttft.derivative > 1.0   # ms per unit: about a step
+    assert ttft.rel_diff < 0.01 and e2e.rel_diff < 0.01
+    assert e2e.derivative == pytest.approx(ttft.derivative, rel=1e-12)
+    assert itl.derivative == 0.0 and itl.check == 0.0
+
+
 @pytest.mark.slow  # more whole-run differences; `pytest -m slow`
 @pytest.mark.parametrize("metric", ["ttft_p99", "e2e_p99", "throughput"])
 def test_single_sample_metrics_match_for_the_leading_coefficients(smooth, metric):
@@ -109,6 +126,7 @@ def test_metric_and_input_names():
     assert S.parse_metrics("ttft_mean,E2E_P99_ms,throughput") == ("ttft_mean", "e2e_p99", "throughput")
     assert S.parse_wrt("alpha,b3,rate,max-num-seqs,kv-blocks", 11) == (
         "alpha0", "alpha1", "alpha2", "beta2", "rate", "max_num_seqs", "total_kv_blocks")
+    assert S.parse_wrt("alpha3", 11) == ("alpha3",)   # blis-jax's first-token lag: by name
     assert len(S.parse_wrt(None, 10)) == 13
     for text, message in (("ttft_mean,foo", r"--metrics: unknown metric 'foo'"),
                           ("itl_p99", r"ITL percentiles are not offered"),
@@ -116,7 +134,7 @@ def test_metric_and_input_names():
         with pytest.raises(ConfigError, match=message):
             S.parse_metrics(text)
     for text, message in (("b99", r"--wrt: unknown input 'b99'.*or a setting: rate"),
-                          ("alpha3", r"--wrt: unknown input 'alpha3'"),
+                          ("alpha4", r"--wrt: unknown input 'alpha4'"),
                           ("alpha,alpha0", r"alpha0 is listed twice"),
                           ("bEP", r"'bEP' is beta slot 10, but the latency model has 10 betas")):
         with pytest.raises(ConfigError, match=message):

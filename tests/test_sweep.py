@@ -344,6 +344,9 @@ def test_coefficient_axes_fold_into_run_flags():
     (spec,) = grid.scenarios()
     assert spec.settings["alpha-coeffs"].split(",") == [repr(default.alpha[0]), "7.5", repr(default.alpha[2])]
     assert [float(b) for b in spec.settings["beta-coeffs"].split(",")] == [b * 2.0 for b in default.beta]
+    # blis-jax's first-token lag alpha[3]: a BLIS (3-value) alpha gains the 4th entry
+    (spec,) = parse_grid({"axes": {"alpha[3]": [1.0]}}).scenarios()
+    assert spec.settings["alpha-coeffs"].split(",") == [repr(a) for a in default.alpha] + ["1.0"]
 
 
 @pytest.mark.slow

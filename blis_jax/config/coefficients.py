@@ -17,13 +17,15 @@ from blis_jax.errors import ConfigError
 FITS_DIR = Path(__file__).resolve().parents[2] / "fits"
 DEFAULT_FIT = FITS_DIR / "trained-physics-iter29.yaml"
 
-NUM_ALPHA = 3
+BLIS_NUM_ALPHA = 3  # BLIS's alpha: queueing, post-decode, per output token
+NUM_ALPHA = 4  # plus blis-jax's optional alpha[3], the first-token lag (see check_alpha)
 MIN_BETA, MAX_BETA = 7, 11  # trained-physics modes are set by the number of betas
 
 
 @dataclasses.dataclass(frozen=True)
 class Coefficients:
-    """``alpha`` (3 values, µs) and ``beta`` (7..11 values; the count selects the mode)."""
+    """``alpha`` (3 values in µs, BLIS's; or 4 with blis-jax's first-token lag) and ``beta``
+    (7..11 values; the count selects the mode)."""
 
     alpha: tuple[float, ...]
     beta: tuple[float, ...]
@@ -56,11 +58,24 @@ def _finite_values(values: Any, what: str) -> tuple[float, ...]:
 
 
 def check_alpha(alpha: Any) -> tuple[float, ...]:
-    """Validate alpha: exactly 3 finite numbers (ConfigError names the index)."""
+    """Validate alpha: 3 finite numbers (BLIS's α₀ queueing µs, α₁ post-decode µs, α₂ per output
+    token µs), or 4 with blis-jax's α₃ ≥ 0, the first-token lag: the first token reaches the
+    client α₃ × (duration of the step that produced it) after that step ends. BLIS has no such
+    term (α₃ = 0); the README (fit) has the measurement. ConfigError names the index."""
     values = _finite_values(alpha, "alpha")
-    if len(values) != NUM_ALPHA:
-        raise ConfigError(f"alpha has {len(values)} values; exactly {NUM_ALPHA} are needed")
+    if len(values) not in (BLIS_NUM_ALPHA, NUM_ALPHA):
+        raise ConfigError(f"alpha has {len(values)} values; give {BLIS_NUM_ALPHA} (BLIS: queueing, post-decode, "
+                          f"per output token) or {NUM_ALPHA} (plus the first-token lag)")
+    if len(values) == NUM_ALPHA and values[3] < 0:
+        raise ConfigError(f"alpha[3] = {values[3]!r}: the first-token lag is a multiple of a step time and "
+                          "must be >= 0")
     return values
+
+
+def padded_alpha(alpha: Sequence[float]) -> tuple[float, ...]:
+    """All NUM_ALPHA slots: a BLIS (3-value) alpha gets the first-token lag 0."""
+    alpha = tuple(float(a) for a in alpha)
+    return alpha + (0.0,) * (NUM_ALPHA - len(alpha))
 
 
 def check_beta(beta: Any, min_len: int = MIN_BETA) -> tuple[float, ...]:

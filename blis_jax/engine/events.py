@@ -228,7 +228,8 @@ def _execute(state: EngineState, step_sample, dims: EngineDims, req: RequestArra
     state = dataclasses.replace(
         state,
         row_progress=state.row_progress.at[drop_row(valid)].set(new_progress, mode="drop"),
-        row_ttft=state.row_ttft.at[drop_row(first_token)].set(state.now + sample - state.arrival[r], mode="drop"),
+        row_ttft=state.row_ttft.at[drop_row(first_token)].set(
+            state.now + sample + latency.first_token_lag_us(model, step_us) - state.arrival[r], mode="drop"),
         row_first_step=state.row_first_step.at[drop_row(first_token)].set(state.steps, mode="drop"),
         row_num_itl=state.row_num_itl.at[drop_row(decoded)].add(1, mode="drop"),
         row_itl_sum=state.row_itl_sum.at[drop_row(decoded)].add(sample, mode="drop"),

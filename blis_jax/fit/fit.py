@@ -12,7 +12,9 @@ through the engine. The driver alternates two loops:
   chained``; step starts chained through busy periods, which overstates TTFT sensitivities
   under sustained load, see fit/local.py). Both are affine in (α, β) with the schedule fixed, so
   the means are exactly ``m_sim + J·(θ − θ_sim)``, J their Jacobian (one reverse pass per
-  mean); thousands of adam steps then cost milliseconds. The proposal is checked once against
+  mean), plus ``Δα₃·(H·Δβ)`` when the first-token lag α₃ is used (α₃ multiplies the first-token
+  step's duration, which is affine in β: H is the mean basis of those steps); thousands of adam
+  steps then cost milliseconds. The proposal is checked once against
   the latency function itself.
 
 Coefficients are optimized in a bounded transformed space: each free coefficient is
@@ -22,8 +24,9 @@ its simulated loss is better it becomes the new point, otherwise r is halved and
 restarts from the best point (whose schedule is kept). The fit stops after `outer` proposals or
 `patience` consecutive proposals without improvement.
 
-θ is the flat coefficient vector: α₀..α₂ then β slots 0..10 (14 values); betas beyond the start
-file's count stay 0. Names accepted for coefficients: ``alpha0..alpha2``, ``beta0..beta10`` (the
+θ is the flat coefficient vector: α₀..α₃ then β slots 0..10 (15 values); α₃, blis-jax's
+first-token lag (config/coefficients.py), is 0 for a BLIS start file, and betas beyond the start
+file's count stay 0. Names accepted for coefficients: ``alpha0..alpha3``, ``beta0..beta10`` (the
 slice index of the YAML list) and BLIS's names ``b1a b2a b3 b4 b5 b6 b7 b8 b1b b2b bEP`` (so
 ``beta2`` and ``b3`` are both weight loading; see the index map in fits/*.yaml).
 """
@@ -44,11 +47,12 @@ import numpy as np
 import optax
 import yaml
 
-from blis_jax.config.coefficients import Coefficients
+from blis_jax.config.coefficients import NUM_ALPHA, Coefficients, padded_alpha
 from blis_jax.errors import ConfigError
 from blis_jax.fit.observed import ObservedExperiment, loss_terms
 
-NUM_ALPHA, NUM_BETA = 3, 11
+NUM_BETA = 11
+LAG = 3   # θ index of α₃, the first-token lag
 NUM_COEFFS = NUM_ALPHA + NUM_BETA
 BLIS_BETA_NAMES = ("b1a", "b2a", "b3", "b4", "b5", "b6", "b7", "b8", "b1b", "b2b", "bEP")
 # An accepted step that realises this share of its predicted improvement doubles the trust
@@ -66,12 +70,14 @@ Progress = Callable[[str], None]
 
 
 def coefficient_name(k: int) -> str:
-    """Canonical name of flat index k: alpha0..2, beta0..10."""
+    """Canonical name of flat index k: alpha0..3, beta0..10."""
     return f"alpha{k}" if k < NUM_ALPHA else f"beta{k - NUM_ALPHA}"
 
 
 def coefficient_label(k: int) -> str:
     """Name with BLIS's beta name, for tables: 'beta2 (b3)'."""
+    if k == LAG:
+        return f"{coefficient_name(k)} (first-token lag)"
     return coefficient_name(k) if k < NUM_ALPHA else f"{coefficient_name(k)} ({BLIS_BETA_NAMES[k - NUM_ALPHA]})"
 
 
@@ -92,14 +98,15 @@ def _name_index(name: str, num_betas: int, flag: str) -> int:
     if NUM_ALPHA + num_betas <= k < NUM_COEFFS:
         raise ConfigError(f"{flag}: {name.strip()!r} is beta slot {k - NUM_ALPHA}, but the start coefficients "
                           f"have {num_betas} betas; use a start file with {k - NUM_ALPHA + 1} or more")
-    raise ConfigError(f"{flag}: unknown coefficient {name.strip()!r}; use alpha0..alpha2, beta0..beta{num_betas - 1} "
+    raise ConfigError(f"{flag}: unknown coefficient {name.strip()!r}; use alpha0..alpha3, beta0..beta{num_betas - 1} "
                       f"(slice index) or BLIS's names {', '.join(BLIS_BETA_NAMES[:num_betas])}")
 
 
 def parse_params(text: str | None, start: np.ndarray, num_betas: int, flag: str = "--params") -> list[int]:
     """Flat indices to fit. None: every coefficient of the mode that is non-zero in the start
-    (a zero usually means the term is switched off); 'all': every coefficient of the mode."""
-    mode = list(range(NUM_ALPHA + num_betas))
+    (a zero usually means the term is switched off); 'all': every coefficient of the mode, the
+    first-token lag α₃ (a blis-jax extension) only if the start uses it; names: those."""
+    mode = [k for k in range(NUM_ALPHA + num_betas) if k != LAG or start[LAG] != 0.0]
     if text is None:
         return [k for k in mode if start[k] != 0.0]
     names = [n for n in text.split(",") if n.strip()]
@@ -118,7 +125,7 @@ def parse_params(text: str | None, start: np.ndarray, num_betas: int, flag: str 
 
 def parse_bounds(text: str | None, free: Sequence[int], num_betas: int,
                  flag: str = "--bounds") -> tuple[np.ndarray, np.ndarray]:
-    """(lo[14], hi[14]): default [0, ∞) for every coefficient; 'name=LO:HI' entries (either side
+    """(lo[15], hi[15]): default [0, ∞) for every coefficient; 'name=LO:HI' entries (either side
     may be empty) narrow it. Only fitted coefficients may be bounded."""
     lo, hi = np.zeros(NUM_COEFFS), np.full(NUM_COEFFS, np.inf)
     if not text:
@@ -146,7 +153,7 @@ def parse_bounds(text: str | None, free: Sequence[int], num_betas: int,
 
 
 def start_vector(coeffs: Coefficients, flag: str = "--start") -> tuple[np.ndarray, int]:
-    """(θ[14], number of betas) of a coefficient file; the fit needs the linear (split) modes."""
+    """(θ[15], number of betas) of a coefficient file; the fit needs the linear (split) modes."""
     kind = coeffs.provenance.get("kind", "trained-physics")
     if kind != "trained-physics":
         raise ConfigError(f"{flag}: kind {kind!r}; only trained-physics coefficients can be fitted")
@@ -155,7 +162,7 @@ def start_vector(coeffs: Coefficients, flag: str = "--start") -> tuple[np.ndarra
         raise ConfigError(f"{flag}: {nb} betas select the max-form prefill/decode mode, which the fixed-schedule "
                           f"model does not cover; give {MIN_FIT_BETAS} or 11 betas (append zeros for β1b/β2b)")
     theta = np.zeros(NUM_COEFFS)
-    theta[:NUM_ALPHA] = coeffs.alpha
+    theta[:NUM_ALPHA] = padded_alpha(coeffs.alpha)
     theta[NUM_ALPHA:NUM_ALPHA + nb] = coeffs.beta
     if (theta < 0).any():
         k = int(np.flatnonzero(theta < 0)[0])
@@ -164,8 +171,10 @@ def start_vector(coeffs: Coefficients, flag: str = "--start") -> tuple[np.ndarra
 
 
 def split(theta: np.ndarray, num_betas: int) -> tuple[list[float], list[float]]:
-    """(alpha, beta) lists of θ in the coefficient-file layout."""
-    return [float(x) for x in theta[:NUM_ALPHA]], [float(x) for x in theta[NUM_ALPHA:NUM_ALPHA + num_betas]]
+    """(alpha, beta) lists of θ in the coefficient-file layout: BLIS's three alphas while the
+    first-token lag is 0 (the file stays BLIS-compatible), four otherwise."""
+    alpha = [float(x) for x in theta[:NUM_ALPHA]]
+    return alpha if alpha[LAG] != 0.0 else alpha[:LAG], [float(x) for x in theta[NUM_ALPHA:NUM_ALPHA + num_betas]]
 
 
 # --------------------------------------------------------------------------- experiments
@@ -373,39 +382,64 @@ def evaluate(exps: Sequence[Prepared], theta: np.ndarray, sim: Simulator, with_t
 SCHEDULE_MODELS = ("local", "chained")
 
 
-def trace_means_ms(trace, alpha, beta, schedule_model: str = "local"):
-    """(mean TTFT, mean E2E) in ms of the completed requests with the schedule fixed:
-    `local.predict_latencies_local` (default) or `schedule.predict_latencies` ("chained")."""
+def latency_predictor(schedule_model: str = "local") -> Callable:
+    """(trace, alpha, beta) → per-request (TTFT, E2E) µs with the schedule fixed:
+    `local.predict_latencies_local` ("local") or `schedule.predict_latencies` ("chained")."""
     if schedule_model == "local":
         from blis_jax.fit.local import predict_latencies_local as predict
     elif schedule_model == "chained":
         from blis_jax.fit.schedule import predict_latencies as predict
     else:
         raise ConfigError(f"--schedule-model {schedule_model!r}: use one of {', '.join(SCHEDULE_MODELS)}")
-    ttft, e2e = predict(trace, alpha, beta)
+    return predict
+
+
+def trace_means_ms(trace, alpha, beta, schedule_model: str = "local"):
+    """(mean TTFT, mean E2E) in ms of the completed requests with the schedule fixed
+    (`latency_predictor`)."""
+    ttft, e2e = latency_predictor(schedule_model)(trace, alpha, beta)
     return jnp.stack([jnp.mean(ttft), jnp.mean(e2e)]) / 1000.0
 
 
-def linearize(trace, theta: np.ndarray, schedule_model: str = "local") -> tuple[np.ndarray, np.ndarray]:
-    """(means[2] ms, Jacobian[2, 14] ms per unit) of `trace_means_ms` at θ."""
+def linearize(trace, theta: np.ndarray, schedule_model: str = "local") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(means[2] ms, Jacobian[2, 15] ms per unit, cross[2, 11] = ∂²means/∂α₃∂β) of
+    `trace_means_ms` at θ. The means are affine in θ but for α₃·(first-token step, affine in β),
+    so means(θ) = means + J·Δθ + Δα₃·(cross·Δβ) exactly."""
     alpha, beta = jnp.asarray(theta[:NUM_ALPHA]), jnp.asarray(theta[NUM_ALPHA:])
-    means, vjp = jax.vjp(lambda a, b: trace_means_ms(trace, a, b, schedule_model), alpha, beta)
+
+    def means_of(a, b):
+        return trace_means_ms(trace, a, b, schedule_model)
+
+    means, vjp = jax.vjp(means_of, alpha, beta)
     rows = [jnp.concatenate(vjp(jnp.eye(2)[i])) for i in range(2)]
-    return np.asarray(means), np.asarray(jnp.stack(rows))
+    cross = jax.jacfwd(lambda b: jax.jacrev(means_of)(alpha, b)[:, LAG])(beta)
+    return np.asarray(means), np.asarray(jnp.stack(rows)), np.asarray(cross)
+
+
+def _means_at(means0, jac, cross, theta0, theta):
+    """The fixed-schedule means at θ from `linearize`'s terms (exact: see there)."""
+    delta = theta - theta0
+    return (means0 + jnp.einsum("epk,k->ep", jac, delta)
+            + delta[LAG] * jnp.einsum("epk,k->ep", cross, delta[NUM_ALPHA:]))
 
 
 @dataclasses.dataclass(frozen=True)
 class Linearization:
     """Per experiment, means at θ₀ (the simulation's) + J·(θ − θ₀)."""
 
-    theta0: np.ndarray       # [14]
+    theta0: np.ndarray       # [15]
     means0: np.ndarray       # [E, 2] simulated means, ms
-    jac: np.ndarray          # [E, 2, 14]
+    jac: np.ndarray          # [E, 2, 15]
     obs: np.ndarray          # [E, 2]
     pred0: np.ndarray        # [E, 2] fixed-schedule means at θ₀ (completed requests only)
+    cross: np.ndarray | None = None   # [E, 2, 11] ∂²means/∂α₃∂β (None: zero, no first-token lag)
+
+    def _cross(self) -> np.ndarray:
+        return np.zeros(self.jac.shape[:2] + (NUM_BETA,)) if self.cross is None else self.cross
 
     def means(self, theta):
-        return jnp.asarray(self.means0) + jnp.einsum("epk,k->ep", jnp.asarray(self.jac), theta - self.theta0)
+        return _means_at(jnp.asarray(self.means0), jnp.asarray(self.jac), jnp.asarray(self._cross()),
+                         jnp.asarray(self.theta0), theta)
 
     def loss(self, theta):
         m = self.means(theta)
@@ -424,12 +458,12 @@ def trust_box(theta: np.ndarray, free: Sequence[int], lo: np.ndarray, hi: np.nda
     return lo_eff, hi_eff
 
 
-def _adam_fit(u0, means0, jac, obs, theta0, free_idx, lo, width, lr, steps: int):
+def _adam_fit(u0, means0, jac, cross, obs, theta0, free_idx, lo, width, lr, steps: int):
     """Adam over u (θ[free] = lo + width·sigmoid(u)); returns (best u, its loss)."""
 
     def objective(u):
         theta = theta0.at[free_idx].set(lo + width * jax.nn.sigmoid(u))
-        m = means0 + jnp.einsum("epk,k->ep", jac, theta - theta0)
+        m = _means_at(means0, jac, cross, theta0, theta)
         return loss_terms(m[:, 0], m[:, 1], obs[:, 0], obs[:, 1])[2]
 
     opt = optax.adam(optax.cosine_decay_schedule(lr, steps, alpha=1e-3))
@@ -458,6 +492,7 @@ def inner_fit(lin: Linearization, free: Sequence[int], lo_eff: np.ndarray, hi_ef
     frac = np.clip((lin.theta0[free] - lo_eff) / width, 1e-6, 1 - 1e-6)
     u0 = np.log(frac) - np.log1p(-frac)
     best_u, best = _adam_fit_jit(jnp.asarray(u0), jnp.asarray(lin.means0), jnp.asarray(lin.jac),
+                                 jnp.asarray(lin._cross()),
                                  jnp.asarray(lin.obs), jnp.asarray(lin.theta0), jnp.asarray(free),
                                  jnp.asarray(lo_eff), jnp.asarray(width), jnp.float64(lr), steps=steps)
     theta = lin.theta0.copy()
@@ -527,10 +562,10 @@ def fit(exps: Sequence[Prepared], theta0: np.ndarray, settings: FitSettings, sim
     radius, misses = settings.trust, 0
     obs = np.stack([best.obs_ttft_ms, best.obs_e2e_ms], axis=1)
     for it in range(1, settings.outer + 1):
-        pred0, jac = map(np.stack, zip(*(linearize(r.trace, best.theta, settings.schedule_model)
-                                           for r in best_results)))
+        pred0, jac, cross = map(np.stack, zip(*(linearize(r.trace, best.theta, settings.schedule_model)
+                                                  for r in best_results)))
         means0 = np.stack([best.ttft_ms, best.e2e_ms], axis=1)
-        lin = Linearization(theta0=best.theta, means0=means0, jac=jac, obs=obs, pred0=pred0)
+        lin = Linearization(theta0=best.theta, means0=means0, jac=jac, obs=obs, pred0=pred0, cross=cross)
         # a coefficient with no effect on any mean (e.g. bEP without expert parallelism) stays as is
         active = [k for k in free if np.any(jac[:, :, k] != 0.0)]
         idle = [k for k in free if k not in active]
@@ -579,13 +614,14 @@ def next_radius(radius: float, trust: float, loss: float, predicted: float, simu
 
 def _check_affine(lin: Linearization, results: Sequence[SimResult], theta: np.ndarray, schedule_model: str,
                   say: Progress) -> None:
-    """The inner loop's affine model must agree with the fixed-schedule latencies at the proposal."""
+    """The inner loop's model (affine, plus the α₃·β cross term) must agree with the
+    fixed-schedule latencies at the proposal."""
     alpha, beta = jnp.asarray(theta[:NUM_ALPHA]), jnp.asarray(theta[NUM_ALPHA:])
     approx = np.asarray(lin.means(jnp.asarray(theta)))
     for e, r in enumerate(results):
         expected = lin.means0[e] + (np.asarray(trace_means_ms(r.trace, alpha, beta, schedule_model)) - lin.pred0[e])
         if not np.allclose(approx[e], expected, rtol=RELATIVE_CHECK, atol=1e-9):
-            say(f"warning: fixed-schedule means of experiment {e} are not affine in the coefficients "
+            say(f"warning: fixed-schedule means of experiment {e} differ from the inner loop's model "
                 f"({approx[e]} vs {expected}); the inner loop's model is only first-order")
 
 

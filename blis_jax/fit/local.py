@@ -12,7 +12,7 @@ while the chained model predicted +21.6 ms (the local model below: +2.0 ms).
 Here each request's wait is local to its own window: with enq = arrival + α₀ and k₀ the step in
 progress at enqueue (the last step starting before enq),
 
-    TTFT = α₀ + ρ·d_{k₀} + gaps + Σ_{k₀ < k ≤ f} d_k + α₂,      ρ = (t_{k₀} + d_{k₀} − enq) / d_{k₀}
+    TTFT = α₀ + ρ·d_{k₀} + gaps + Σ_{k₀ < k ≤ f} d_k + α₂ + α₃·d_f,      ρ = (t_{k₀} + d_{k₀} − enq) / d_{k₀}
 
 (ρ = 0 when the instance was idle at enqueue; ρ·d is the residual of the step in progress, which
 scales with the step; idle gaps stay fixed). Decode and E2E are as in `predict_latencies`:
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from blis_jax.fit.schedule import ScheduleTrace
+from blis_jax.fit.schedule import ScheduleTrace, first_token_lag
 
 
 def request_windows(trace: ScheduleTrace) -> tuple[np.ndarray, np.ndarray]:
@@ -44,7 +44,7 @@ def request_windows(trace: ScheduleTrace) -> tuple[np.ndarray, np.ndarray]:
     return k0.astype(np.int64), np.clip(rho, 0.0, 1.0)
 
 
-def predict_latencies_local(trace: ScheduleTrace, alpha: Float[Array, " 3"], beta: Float[Array, " 11"],
+def predict_latencies_local(trace: ScheduleTrace, alpha: Float[Array, " 4"], beta: Float[Array, " 11"],
                             windows: tuple[np.ndarray, np.ndarray] | None = None):
     """(TTFT µs [N], E2E µs [N]) of the completed requests, differentiable (affine) in alpha, beta."""
     k0, rho = request_windows(trace) if windows is None else windows
@@ -57,8 +57,9 @@ def predict_latencies_local(trace: ScheduleTrace, alpha: Float[Array, " 3"], bet
     cum = jnp.concatenate([jnp.zeros(1), jnp.cumsum(delta_d)])          # cum[k] = Σ_{j<k} Δd_j
     k0j = jnp.asarray(k0)
     window = cum[f + 1] - cum[k0j + 1] + jnp.asarray(rho) * jnp.where(k0j >= 0, delta_d[jnp.maximum(k0j, 0)], 0.0)
-    ttft = ttft_sim + delta_a[0] + window + delta_a[2]
-    a = jnp.asarray(trace.alpha_us_sim, jnp.float64) + delta_a
+    lag = first_token_lag(trace, alpha, dur[f] + delta_d[f])
+    ttft = ttft_sim + delta_a[0] + window + delta_a[2] + lag
+    a = jnp.asarray(trace.alpha_us_sim, jnp.float64) + delta_a[:3]
     per_step = dur + delta_d + a[2]
     cum_step = jnp.concatenate([jnp.zeros(1), jnp.cumsum(per_step)])
     run_sum = cum_step[jnp.asarray(trace.run_last) + 1] - cum_step[jnp.asarray(trace.run_first)]

@@ -29,7 +29,8 @@ from blis_jax.fit.observed import LOSS_DEFINITION
 HEADER = """\
 # Trained-physics latency coefficients (blis-jax format; see blis_jax/config/coefficients.py).
 # Written by `blis-jax fit` (blis_jax/fit/): provenance below, loss of a real simulation.
-# alpha: [queueing (alpha0, us), post-decode (alpha1, us), per-output-token (alpha2, us)]
+# alpha: [queueing (alpha0, us), post-decode (alpha1, us), per-output-token (alpha2, us)], and when
+#   used, blis-jax's first-token lag (alpha3, in durations of the first token's step; BLIS: none)
 # beta (slice index: name, multiplies):
 #    0 b1a  prefill compute          1 b2a  decode compute (0: unused)
 #    2 b3   weight loading           3 b4   TP all-reduce

@@ -44,9 +44,10 @@ class ScheduleTrace:
     run_request: np.ndarray    # int64 [K] decode runs: request index into the arrays above
     run_first: np.ndarray      # int64 [K]
     run_last: np.ndarray       # int64 [K]
-    alpha_sim: np.ndarray      # float64 [3] coefficients the schedule was simulated with
+    alpha_sim: np.ndarray      # float64 [4] coefficients the schedule was simulated with
     beta_sim: np.ndarray       # float64 [11]
     alpha_us_sim: np.ndarray   # int64 [3] the engine's truncated α terms (α₀, α₁, α₂)
+    lag_us_sim: np.ndarray     # int64 [N] the engine's first-token lag trunc(α₃·d_first) per request
 
     @property
     def num_requests(self) -> int:
@@ -64,21 +65,30 @@ def schedule_trace(requests, out, trace, model) -> ScheduleTrace:
     runs = out.itl_runs[index[out.itl_runs[:, 0]] >= 0]
     busy = np.zeros(start.shape[0], bool)
     busy[1:] = start[1:] == start[:-1] + duration[:-1]
+    first = np.asarray(first_step)[done]
     return ScheduleTrace(start_us=np.asarray(start, np.int64), duration_us=np.asarray(duration, np.int64),
                          basis=np.asarray(basis, np.float64), busy=busy,
-                         arrival_us=np.asarray(requests.arrival_us)[done], first_step=np.asarray(first_step)[done],
+                         arrival_us=np.asarray(requests.arrival_us)[done], first_step=first,
                          run_request=index[runs[:, 0]], run_first=runs[:, 1], run_last=runs[:, 2],
                          alpha_sim=np.asarray(model.alpha, np.float64), beta_sim=np.asarray(model.beta, np.float64),
                          alpha_us_sim=np.array([int(latency.queueing_time_us(model, 0)),
                                                 int(latency.post_decode_time_us(model)),
-                                                int(latency.output_token_time_us(model))], np.int64))
+                                                int(latency.output_token_time_us(model))], np.int64),
+                         lag_us_sim=np.asarray(latency.first_token_lag_us(model, np.asarray(duration)[first]), np.int64))
 
 
-def predict_latencies(trace: ScheduleTrace, alpha: Float[Array, " 3"], beta: Float[Array, " 11"]):
+def first_token_lag(trace: ScheduleTrace, alpha, d_first):
+    """The first-token lag α₃·d_f at coefficients `alpha` and first-token step durations
+    `d_first` [N], anchored on the engine's truncated value at the simulated ones."""
+    dur_first = jnp.asarray(trace.duration_us[trace.first_step], jnp.float64)
+    return jnp.asarray(trace.lag_us_sim, jnp.float64) + alpha[3] * d_first - trace.alpha_sim[3] * dur_first
+
+
+def predict_latencies(trace: ScheduleTrace, alpha: Float[Array, " 4"], beta: Float[Array, " 11"]):
     """(TTFT µs [N], E2E µs [N]) of the completed requests, differentiable in alpha and beta."""
     basis = jnp.asarray(trace.basis)
     d = jnp.asarray(trace.duration_us, jnp.float64) + basis @ (beta - trace.beta_sim)
-    a = jnp.asarray(trace.alpha_us_sim, jnp.float64) + (alpha - trace.alpha_sim)
+    a = jnp.asarray(trace.alpha_us_sim, jnp.float64) + (alpha[:3] - trace.alpha_sim[:3])
     start_sim = jnp.asarray(trace.start_us, jnp.float64)
     busy = jnp.asarray(trace.busy)
     # segmented running sum: a segment starts at each idle wake-up (fixed time, shifted by α₀)
@@ -88,7 +98,7 @@ def predict_latencies(trace: ScheduleTrace, alpha: Float[Array, " 3"], beta: Flo
     cum = jnp.concatenate([jnp.zeros(1), jnp.cumsum(d)])          # cum[k] = Σ_{j<k} d_j
     t = wake[seg] + cum[jnp.arange(d.shape[0])] - cum[seg_first[seg]]
     f = jnp.asarray(trace.first_step)
-    ttft = t[f] + d[f] + a[2] - jnp.asarray(trace.arrival_us, jnp.float64)
+    ttft = t[f] + d[f] + a[2] + first_token_lag(trace, alpha, d[f]) - jnp.asarray(trace.arrival_us, jnp.float64)
     per_step = d + a[2]
     cum_step = jnp.concatenate([jnp.zeros(1), jnp.cumsum(per_step)])
     run_sum = cum_step[jnp.asarray(trace.run_last) + 1] - cum_step[jnp.asarray(trace.run_first)]

@@ -131,7 +131,7 @@ def parse_wrt(text: str | None, num_betas: int, flag: str = "--wrt") -> tuple[st
         key = given.strip().lower()
         setting = _setting_name(key)
         if key == "alpha":
-            group = [F.coefficient_name(k) for k in range(F.NUM_ALPHA)]
+            group = [F.coefficient_name(k) for k in range(F.LAG)]   # BLIS's α; the lag α₃ by name
         elif key == "beta":
             group = [F.coefficient_name(F.NUM_ALPHA + k) for k in range(num_betas)]
         elif setting is not None:
@@ -144,7 +144,7 @@ def parse_wrt(text: str | None, num_betas: int, flag: str = "--wrt") -> tuple[st
 
 
 def _coefficient(name: str, num_betas: int, flag: str) -> int:
-    """Flat θ index of alpha0..2, beta0..10 or a BLIS beta name (b1a .. bEP)."""
+    """Flat θ index of alpha0..3, beta0..10 or a BLIS beta name (b1a .. bEP)."""
     key, k = name.strip().lower(), None
     blis = [b.lower() for b in F.BLIS_BETA_NAMES]
     if (m := re.fullmatch(r"alpha(\d+)", key)) and int(m.group(1)) < F.NUM_ALPHA:
@@ -158,7 +158,7 @@ def _coefficient(name: str, num_betas: int, flag: str) -> int:
     if k is not None and k < F.NUM_COEFFS:
         raise ConfigError(f"{flag}: {name.strip()!r} is beta slot {k - F.NUM_ALPHA}, but the latency model has "
                           f"{num_betas} betas")
-    raise ConfigError(f"{flag}: unknown input {name.strip()!r}; use alpha, beta, alpha0..alpha2, "
+    raise ConfigError(f"{flag}: unknown input {name.strip()!r}; use alpha, beta, alpha0..alpha3, "
                       f"beta0..beta{num_betas - 1} or BLIS's names {', '.join(F.BLIS_BETA_NAMES[:num_betas])}, "
                       f"or a setting: {', '.join(s.replace('_', '-') for s in SETTINGS)}")
 
@@ -195,7 +195,7 @@ class Run:
 
     @property
     def theta(self) -> np.ndarray:
-        """Flat coefficients [14]: α then the 11 beta slots (zero-padded)."""
+        """Flat coefficients [15]: the 4 α slots then the 11 beta slots (zero-padded)."""
         return np.concatenate([np.asarray(self.model.alpha, np.float64), np.asarray(self.model.beta, np.float64)])
 
     def with_theta(self, theta: np.ndarray) -> Run:
@@ -278,7 +278,7 @@ def _metric_name_parts(metric: str) -> tuple[str, str]:
 
 
 def schedule_metrics(sim: Simulated, metrics: Sequence[str]) -> tuple[Callable, list[str]]:
-    """(f, notes): f(θ[14]) → the metrics (--metrics units) with the schedule of `sim` fixed,
+    """(f, notes): f(θ[15]) → the metrics (--metrics units) with the schedule of `sim` fixed,
     equal to the simulated metrics at the simulated θ; notes say what the model holds fixed."""
     st, out = sim.trace, sim.out
     notes: list[str] = []
@@ -362,7 +362,7 @@ def schedule_metrics(sim: Simulated, metrics: Sequence[str]) -> tuple[Callable, 
 
 
 def forward_mode(sim: Simulated, metrics: Sequence[str]) -> tuple[np.ndarray, list[str]]:
-    """(Jacobian [M, 14] of the metrics with respect to θ by `jax.jacfwd` of the fixed-schedule
+    """(Jacobian [M, 15] of the metrics with respect to θ by `jax.jacfwd` of the fixed-schedule
     model, notes). A note names any metric the model does not reproduce at the simulated θ."""
     f, notes = schedule_metrics(sim, metrics)
     theta = jnp.asarray(sim.run.theta)
@@ -393,18 +393,18 @@ class Difference:
 
 def coefficient_step(theta: np.ndarray, k: int, step: float, slope: np.ndarray | None = None,
                      values: np.ndarray | None = None) -> tuple[float, bool]:
-    """(h, central) of coefficient k: α by whole µs (the engine truncates α terms to µs, so a
-    fractional step would difference the truncation), β by step·|β|; a zero coefficient goes
+    """(h, central) of coefficient k: α₀..α₂ by whole µs (the engine truncates α terms to µs, so
+    a fractional step would difference the truncation), β and the first-token lag α₃ by step·|x|; a zero coefficient goes
     forward (coefficients are ≥ 0) by the h the fixed-schedule slope says moves a metric by
     step·|metric| (1.0 when it has no effect)."""
     x = float(theta[k])
     if x != 0.0:
         h = step * abs(x)
-        return (max(1.0, float(round(h))) if k < F.NUM_ALPHA else h), True
+        return (max(1.0, float(round(h))) if k < F.LAG else h), True
     if slope is not None and values is not None and np.any(slope != 0):
         moving = slope != 0
         h = float(np.min(step * np.maximum(np.abs(values[moving]), 1e-9) / np.abs(slope[moving])))
-        return (max(1.0, float(round(h))) if k < F.NUM_ALPHA else h), False
+        return (max(1.0, float(round(h))) if k < F.LAG else h), False
     return 1.0, False
 
 
@@ -520,7 +520,7 @@ class Table:
                           f"one-sided over +max(1, round({self.step:g}·N)), per unit")
         if self.checked:
             legend.append(f"check: central differences of whole re-simulations at ±{100 * self.step:g} % of each "
-                          "coefficient (α by whole µs; a zero coefficient one-sided upward)")
+                          "coefficient (α₀..α₂ by whole µs; a zero coefficient one-sided upward)")
         legend += [f"note: {n}" for n in self.notes]
         return "\n".join(lines + legend) + "\n"
 
@@ -529,7 +529,7 @@ def _input_unit(name: str) -> str | None:
     k = coefficient_index(name)
     if k is None:
         return SETTING_UNITS[name]
-    return "us" if k < F.NUM_ALPHA else None   # each beta has its own unit (fits/*.yaml)
+    return "us" if k < F.LAG else None   # α₃ is in steps; each beta has its own unit (fits/*.yaml)
 
 
 def _entry_dict(e: Entry) -> dict:

@@ -5,6 +5,8 @@ from blis_jax.latency.features import make_batch_features as make_batch_features
 from blis_jax.latency.model import LatencyModel as LatencyModel
 from blis_jax.latency.model import build_latency_model as build_latency_model
 from blis_jax.latency.model import decode_run_step_times_us as decode_run_step_times_us
+from blis_jax.latency.model import first_token_lag_float as first_token_lag_float
+from blis_jax.latency.model import first_token_lag_us as first_token_lag_us
 from blis_jax.latency.model import output_token_time_float as output_token_time_float
 from blis_jax.latency.model import output_token_time_us as output_token_time_us
 from blis_jax.latency.model import post_decode_time_float as post_decode_time_float

@@ -18,6 +18,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from blis_jax.config.coefficients import (
     NUM_ALPHA,
     check_alpha,
+    padded_alpha,
     check_beta,
     load_coefficients,
 )
@@ -66,7 +67,7 @@ class LatencyModel(eqx.Module):
     tp: Float[Array, ""]
     dp: Float[Array, ""]
     # Coefficients.
-    alpha: Float[Array, "3"]
+    alpha: Float[Array, "4"]  # α₀ α₁ α₂ (BLIS) and the first-token lag α₃ (0: BLIS's behaviour)
     beta: Float[Array, "11"]  # zero-padded; the unused tail is ignored by `num_betas`
 
 
@@ -179,7 +180,7 @@ def _build_latency_model(kind, arch, gpu, tp, alpha, beta, dp, moe_backend) -> L
         mfu_decode=_f64(gpu.mfu_decode),
         tp=_f64(tp),
         dp=_f64(dp),
-        alpha=_f64(alpha),
+        alpha=_f64(padded_alpha(alpha)),
         beta=_f64(np.pad(np.asarray(beta, dtype=np.float64), (0, NUM_BETA_SLOTS - len(beta)))),
     )
 
@@ -192,8 +193,10 @@ def with_coefficients(model: LatencyModel, alpha=None, beta=None) -> LatencyMode
     """
     if alpha is not None:
         alpha = jnp.asarray(alpha, dtype=jnp.float64)
+        if alpha.shape == (NUM_ALPHA - 1,):  # BLIS's three: no first-token lag
+            alpha = jnp.concatenate([alpha, jnp.zeros(1, jnp.float64)])
         if alpha.shape != (NUM_ALPHA,):
-            raise ConfigError(f"alpha must have shape (3,), got {alpha.shape}")
+            raise ConfigError(f"alpha must have shape (3,) or (4,), got {alpha.shape}")
         model = eqx.tree_at(lambda m: m.alpha, model, alpha)
     if beta is not None:
         beta = jnp.asarray(beta, dtype=jnp.float64)
@@ -226,6 +229,15 @@ def queueing_time_float(model: LatencyModel, input_len: ArrayLike) -> Float[Arra
 def output_token_time_float(model: LatencyModel) -> Float[Array, ""]:
     """α2: added to TTFT and to every ITL sample."""
     return model.alpha[2]
+
+
+def first_token_lag_float(model: LatencyModel, step_us: ArrayLike) -> Float[Array, "..."]:
+    """α₃·(step µs): how long after the step that produced it the first token reaches the client
+    (later tokens keep their ITLs, so E2E = TTFT + ITLs + α₁ shifts by the same lag). BLIS
+    stamps TTFT at that step's end (α₃ = 0). vLLM hands outputs to a separate API-server process
+    that detokenises and streams them while the engine runs the next step, so the observed TTFT
+    is about one step longer (README, fit)."""
+    return model.alpha[3] * jnp.asarray(step_us).astype(jnp.float64)
 
 
 def post_decode_time_float(model: LatencyModel) -> Float[Array, ""]:
@@ -278,6 +290,11 @@ def queueing_time_us(model: LatencyModel, input_len: ArrayLike) -> Int[Array, ".
 def output_token_time_us(model: LatencyModel) -> Int[Array, ""]:
     """trunc(α2)."""
     return truncate_us(output_token_time_float(model))
+
+
+def first_token_lag_us(model: LatencyModel, step_us: ArrayLike) -> Int[Array, "..."]:
+    """trunc(α₃·step_us): 0 with BLIS's coefficients."""
+    return truncate_us(first_token_lag_float(model, step_us))
 
 
 def post_decode_time_us(model: LatencyModel) -> Int[Array, ""]:
