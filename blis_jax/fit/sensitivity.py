@@ -394,9 +394,9 @@ class Difference:
 def coefficient_step(theta: np.ndarray, k: int, step: float, slope: np.ndarray | None = None,
                      values: np.ndarray | None = None) -> tuple[float, bool]:
     """(h, central) of coefficient k: α₀..α₂ by whole µs (the engine truncates α terms to µs, so
-    a fractional step would difference the truncation), β and the first-token lag α₃ by step·|x|; a zero coefficient goes
-    forward (coefficients are ≥ 0) by the h the fixed-schedule slope says moves a metric by
-    step·|metric| (1.0 when it has no effect)."""
+    a fractional step would difference the truncation), β and the first-token lag α₃ by step·|x|;
+    a zero coefficient goes forward (coefficients are ≥ 0) by the h the fixed-schedule slope says
+    moves a metric by step·|metric| (1.0 when it has no effect)."""
     x = float(theta[k])
     if x != 0.0:
         h = step * abs(x)

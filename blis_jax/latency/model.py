@@ -18,9 +18,9 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from blis_jax.config.coefficients import (
     NUM_ALPHA,
     check_alpha,
-    padded_alpha,
     check_beta,
     load_coefficients,
+    padded_alpha,
 )
 from blis_jax.config.hardware import GPUSpec
 from blis_jax.config.model import ModelArch
