@@ -205,7 +205,8 @@ def test_inner_fit_solves_a_linear_problem_within_its_box():
     target[[0, 5, 9]] *= [1.3, 0.8, 1.1]
     means0 = np.full((3, 2), 5.0)
     obs = means0 + np.einsum("epk,k->ep", jac, target - theta0)
-    lin = F.Linearization(theta0=theta0, means0=means0, jac=jac, obs=obs, pred0=means0)
+    lin = F.Linearization(theta0=theta0, means0=means0, jac=jac, obs=obs, pred0=means0,
+                          cross=np.zeros((3, 2, F.NUM_BETA)))
     free = [0, 5, 9]
     lo, hi = F.trust_box(theta0, free, np.zeros(F.NUM_COEFFS), np.full(F.NUM_COEFFS, np.inf), 1.0)
     theta, loss = F.inner_fit(lin, free, lo, hi, steps=2000, lr=0.05)

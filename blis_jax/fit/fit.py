@@ -425,20 +425,17 @@ def _means_at(means0, jac, cross, theta0, theta):
 
 @dataclasses.dataclass(frozen=True)
 class Linearization:
-    """Per experiment, means at θ₀ (the simulation's) + J·(θ − θ₀)."""
+    """Per experiment, means at θ₀ (the simulation's) + J·(θ − θ₀) + Δα₃·(cross·Δβ)."""
 
     theta0: np.ndarray       # [15]
     means0: np.ndarray       # [E, 2] simulated means, ms
     jac: np.ndarray          # [E, 2, 15]
     obs: np.ndarray          # [E, 2]
     pred0: np.ndarray        # [E, 2] fixed-schedule means at θ₀ (completed requests only)
-    cross: np.ndarray | None = None   # [E, 2, 11] ∂²means/∂α₃∂β (None: zero, no first-token lag)
-
-    def _cross(self) -> np.ndarray:
-        return np.zeros(self.jac.shape[:2] + (NUM_BETA,)) if self.cross is None else self.cross
+    cross: np.ndarray        # [E, 2, 11] ∂²means/∂α₃∂β (`linearize`)
 
     def means(self, theta):
-        return _means_at(jnp.asarray(self.means0), jnp.asarray(self.jac), jnp.asarray(self._cross()),
+        return _means_at(jnp.asarray(self.means0), jnp.asarray(self.jac), jnp.asarray(self.cross),
                          jnp.asarray(self.theta0), theta)
 
     def loss(self, theta):
@@ -492,7 +489,7 @@ def inner_fit(lin: Linearization, free: Sequence[int], lo_eff: np.ndarray, hi_ef
     frac = np.clip((lin.theta0[free] - lo_eff) / width, 1e-6, 1 - 1e-6)
     u0 = np.log(frac) - np.log1p(-frac)
     best_u, best = _adam_fit_jit(jnp.asarray(u0), jnp.asarray(lin.means0), jnp.asarray(lin.jac),
-                                 jnp.asarray(lin._cross()),
+                                 jnp.asarray(lin.cross),
                                  jnp.asarray(lin.obs), jnp.asarray(lin.theta0), jnp.asarray(free),
                                  jnp.asarray(lo_eff), jnp.asarray(width), jnp.float64(lr), steps=steps)
     theta = lin.theta0.copy()

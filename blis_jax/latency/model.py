@@ -16,6 +16,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from blis_jax.config.coefficients import (
+    BLIS_NUM_ALPHA,
     NUM_ALPHA,
     check_alpha,
     check_beta,
@@ -193,8 +194,8 @@ def with_coefficients(model: LatencyModel, alpha=None, beta=None) -> LatencyMode
     """
     if alpha is not None:
         alpha = jnp.asarray(alpha, dtype=jnp.float64)
-        if alpha.shape == (NUM_ALPHA - 1,):  # BLIS's three: no first-token lag
-            alpha = jnp.concatenate([alpha, jnp.zeros(1, jnp.float64)])
+        if alpha.shape == (BLIS_NUM_ALPHA,):  # no first-token lag
+            alpha = jnp.pad(alpha, (0, NUM_ALPHA - BLIS_NUM_ALPHA))
         if alpha.shape != (NUM_ALPHA,):
             raise ConfigError(f"alpha must have shape (3,) or (4,), got {alpha.shape}")
         model = eqx.tree_at(lambda m: m.alpha, model, alpha)

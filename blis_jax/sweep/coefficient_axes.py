@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from blis_jax.config import load_coefficients
-from blis_jax.config.coefficients import MAX_BETA, NUM_ALPHA
+from blis_jax.config.coefficients import MAX_BETA, NUM_ALPHA, padded_alpha
 from blis_jax.errors import ConfigError
 
 SCALE_KEYS = ("alpha-scale", "beta-scale")
@@ -59,8 +59,8 @@ def apply(settings: Mapping[str, str], values: Mapping[str, Any], where: str) ->
         if m is None:
             continue
         coeffs, index = (alpha if m.group(1) == "alpha" else beta), int(m.group(2))
-        if coeffs is alpha and index == NUM_ALPHA - 1 and len(alpha) == NUM_ALPHA - 1:
-            alpha.append(0.0)   # BLIS's three alphas: the first-token lag starts at 0
+        if coeffs is alpha and index == NUM_ALPHA - 1:
+            alpha[:] = padded_alpha(alpha)   # BLIS's three alphas: the first-token lag starts at 0
         if index >= len(coeffs):
             raise ConfigError(f"{where}.{key}: the scenario's {m.group(1)} has {len(coeffs)} entries "
                               f"(indices 0..{len(coeffs) - 1})")
