@@ -11,10 +11,11 @@ from typing import Any
 
 import yaml
 
+from blis_jax.config.bundled import bundled_dir
 from blis_jax.config.yaml_files import read_yaml_file
 from blis_jax.errors import ConfigError
 
-FITS_DIR = Path(__file__).resolve().parents[2] / "fits"
+FITS_DIR = bundled_dir("fits")
 DEFAULT_FIT = FITS_DIR / "trained-physics-iter29.yaml"
 
 BLIS_NUM_ALPHA = 3  # BLIS's alpha: queueing, post-decode, per output token

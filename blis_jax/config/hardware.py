@@ -11,10 +11,11 @@ from typing import Any
 
 import yaml
 
+from blis_jax.config.bundled import bundled_dir
 from blis_jax.config.yaml_files import read_yaml_file
 from blis_jax.errors import ConfigError
 
-HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
+HARDWARE_DIR = bundled_dir("hardware")
 
 # field → (must be > 0, fix hint). tflops_fp8 may be 0: "this GPU has no FP8 rate".
 _FIELDS = {

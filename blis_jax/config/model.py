@@ -21,11 +21,12 @@ from typing import Any
 
 import yaml
 
+from blis_jax.config.bundled import bundled_dir
 from blis_jax.config.quantization import activation_bytes, detect_weight_bytes, torch_dtype_of
 from blis_jax.config.yaml_files import read_yaml_file
 from blis_jax.errors import ConfigError
 
-MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+MODELS_DIR = bundled_dir("models")
 
 # HF keys that may hold the total expert count, in lookup order (the first >= 2 wins).
 _EXPERT_COUNT_KEYS = (

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from blis_jax.config.bundled import bundled_dir
 from blis_jax.errors import ConfigError
 from blis_jax.sweep import coefficient_axes, settings
 from blis_jax.sweep.table import METRICS
@@ -113,13 +114,27 @@ def _unique_combos(combos, keys) -> list[dict]:
 
 
 def load_grid(path: str | Path) -> Grid:
-    """Read and validate a grid YAML file."""
-    path = Path(path)
+    """Read and validate a grid YAML file, or a bundled example grid by name (``quick``)."""
+    path = resolve_grid_path(path)
     try:
         text = path.read_text()
     except OSError as e:
-        raise ConfigError(f"grid {path}: cannot read it ({e.strerror or e})") from None
+        names = ", ".join(sorted(p.stem for p in bundled_dir("sweeps").glob("*.yaml")))
+        raise ConfigError(f"grid {path}: cannot read it ({e.strerror or e}); give a grid YAML file "
+                          f"or a bundled grid name ({names})") from None
     return parse_grid(load_yaml(text, source=f"grid {path}"), source=str(path), root=path.parent)
+
+
+def resolve_grid_path(path: str | Path) -> Path:
+    """``path`` itself if it exists; else a bundled grid of that name (``configs/sweeps``)."""
+    path = Path(path)
+    if path.exists() or len(path.parts) != 1:
+        return path
+    for candidate in (path, path.with_name(path.name + ".yaml")):
+        bundled = bundled_dir("sweeps") / candidate.name
+        if bundled.is_file():
+            return bundled
+    return path
 
 
 def parse_grid(data: Any, source: str = "grid", root: Path | None = None) -> Grid:
