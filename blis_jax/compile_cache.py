@@ -9,7 +9,8 @@ a `run` with similar sizes) skips compilation. The CLI enables it by default in
 only the CLI entry point calls `enable_compile_cache`.
 
 With the cache on, sweep batch programs are also kept whole, compiled, in the sibling directory
-`<cache>-executables` (`blis_jax.sweep.executables`), which skips their tracing and lowering too.
+`<cache>-executables` (`blis_jax.executables`), which skips their tracing and lowering too; so
+are the engine and cluster programs of `run` and `replay`.
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ ENV_VAR = "BLIS_JAX_COMPILE_CACHE"
 _OFF = ("0", "off", "false", "no", "none", "")
 # Programs that compile faster than this are not worth a disk round trip.
 MIN_COMPILE_SECONDS = 1.0
-EXECUTABLES_SUFFIX = "-executables"   # sibling of the cache directory: whole compiled sweep programs
+EXECUTABLES_SUFFIX = "-executables"   # sibling of the cache directory: whole compiled programs
 
 _executable_dir: Path | None = None
 
 
 def executable_dir() -> Path | None:
-    """Where compiled sweep programs are kept (None: the CLI's cache is off, or a library call)."""
+    """Where compiled programs are kept (None: the CLI's cache is off, or a library call)."""
     return _executable_dir
 
 
 def set_executable_dir(path: Path | None) -> None:
-    """Keep compiled sweep programs in `path` (None: do not keep them)."""
+    """Keep compiled programs in `path` (None: do not keep them)."""
     global _executable_dir
     _executable_dir = None if path is None else Path(path)
 

@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import blis_jax  # noqa: E402, F401
-from blis_jax.sweep import executables  # noqa: E402
+from blis_jax import executables  # noqa: E402
 
 
 # Modules whose compiled programs are large (clusters, sweeps, fits, golden runs): dropped after

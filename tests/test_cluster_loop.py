@@ -576,19 +576,19 @@ class BoundaryChecker:
 
 
 def step_cluster(requests, settings, model, cfg: ClusterConfig, floor, chunk: int, on_boundary):
-    """`simulate_cluster` advanced by `chunk` events per `loop.advance` call (of the busiest
+    """`simulate_cluster` advanced by `chunk` events per driver chunk (`advance_chunk`) call (of the busiest
     instance; the same compiled program under the dims floor), with `on_boundary(host
     ClusterState)` after every call. Returns (output, number of calls)."""
     calls = []
-    advance = loop.advance
+    advance = csim.advance_chunk
 
     def checked_advance(*args):
-        cs = advance(*args)
+        cs, done = advance(*args)
         calls.append(1)
         on_boundary(jax.device_get(cs))
-        return cs
+        return cs, done
 
-    with mock.patch.object(loop, "advance", checked_advance), dims_floor(floor):
+    with mock.patch.object(csim, "advance_chunk", checked_advance), dims_floor(floor):
         out = simulate_cluster(requests, params_from(settings), model, cfg, events_per_chunk=chunk,
                                scheduler=settings.get("scheduler", "fcfs"),
                                preemption_policy=settings.get("preemption_policy", "fcfs"))
@@ -696,7 +696,7 @@ def test_fewer_active_instances_is_a_mask(monkeypatch):
     requests, settings, _, group = scenario("round_robin")
     model, floor = scenario_model("round_robin"), group_floor(group)
     four = run_cluster(requests, settings, model, ClusterConfig(num_instances=4, instance_slots=4), floor)
-    sizes = (loop.advance._cache_size(), csim._init._cache_size())
+    sizes = csim.compiled_programs()
     chex.clear_trace_counter()
     # from now on, tracing the loop's cluster event is an error
     monkeypatch.setattr(loop, "run_cluster", chex.assert_max_traces(loop.run_cluster, n=0))
@@ -704,7 +704,7 @@ def test_fewer_active_instances_is_a_mask(monkeypatch):
         masked = masked_run()
     except AssertionError as e:
         raise AssertionError("3 active of 4 slots traced the cluster loop again") from e
-    assert (loop.advance._cache_size(), csim._init._cache_size()) == sizes, "3 of 4 slots recompiled"
+    assert csim.compiled_programs() == sizes, "3 of 4 slots recompiled"
     assert masked.num_instances == 3 and set(np.unique(masked.handled_by).tolist()) == {0, 1, 2}
     assert set(np.unique(four.handled_by).tolist()) == {0, 1, 2, 3}
     check_final(masked, requests, settings, ClusterConfig(num_instances=3, instance_slots=4), model)

@@ -178,3 +178,28 @@ def test_no_retrace_when_only_numbers_change(monkeypatch):
     bigger = dataclasses.replace(DIMS, kv_blocks=2 * DIMS.kv_blocks)
     with pytest.raises(AssertionError, match="traced > 0 times"):
         sim.start(bigger, params_from(base), sim.request_arrays(base_requests, bigger), model)
+
+
+def test_driver_does_not_recompile_when_only_numbers_change(monkeypatch):
+    """`simulate_instance` (the host driver of run and replay, with its own start and chunk
+    programs): other KV blocks, prefill threshold, horizon, coefficients and request values in
+    the same buckets reuse its compiled programs and trace nothing new."""
+    requests = random_scenario(41, n=60, rate_rps=150.0, input_range=(16, 400), output_range=(1, 40))
+    base = {"max_num_seqs": 48, "max_num_batched_tokens": 1024, "total_kv_blocks": 3000}
+    model = latency_model()
+    reference = sim.simulate_instance(requests, params_from(base), model)
+    compiled = sim.compiled_programs()
+    assert compiled >= 2, "the driver compiled no program of its own"
+    chex.clear_trace_counter()
+    monkeypatch.setattr(sim, "_body", chex.assert_max_traces(sim._body, n=0))
+    variants = [
+        (requests, dict(base, total_kv_blocks=2100, long_prefill_token_threshold=32), model),
+        (requests, dict(base, horizon_us=300_000), model),
+        (requests, base, with_coefficients(model, alpha=np.asarray(model.alpha) * 1.5)),
+        (random_scenario(42, n=60, rate_rps=90.0, input_range=(16, 300), output_range=(1, 30)), base, model),
+    ]
+    for i, (reqs, settings, m) in enumerate(variants):
+        out = sim.simulate_instance(reqs, params_from(settings), m)
+        assert sim.compiled_programs() == compiled, f"variant {i}: recompiled"
+        assert out.result == so.RESULT_OK
+        assert not np.array_equal(out.e2e_us, reference.e2e_us), f"variant {i} changed nothing"

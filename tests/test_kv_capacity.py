@@ -15,6 +15,7 @@ from blis_jax.config import (
 )
 from blis_jax.errors import ConfigError
 
+from blis_diff import not_yet_supported  # noqa: E402
 from shared_data import BLIS_DIFF, needs_blis_diff  # noqa: E402
 GIB = 2**30
 
@@ -56,7 +57,10 @@ def _auto_cases():
     for path in sorted(BLIS_DIFF.glob("*/case.json")):
         case = json.loads(path.read_text())
         if case["total_kv_blocks_source"].startswith("auto"):
-            cases.append(pytest.param(case, id=case["id"]))
+            # LoRA reserves HBM for its adapters before the KV cache is sized
+            lora = "lora_config" in case.get("other_flags", {})
+            marks = [pytest.mark.xfail(strict=True, reason=f"needs {not_yet_supported(case)}")] if lora else []
+            cases.append(pytest.param(case, id=case["id"], marks=marks))
     return cases
 
 

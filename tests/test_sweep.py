@@ -184,11 +184,11 @@ def test_sharded_equals_unsharded(sweep, sharded_process):
 def cluster_sweep(tmp_path_factory):
     d = tmp_path_factory.mktemp("clusters")
     grid = write_grid(d / "instances.yaml", CLUSTER_GRID)
-    compiled = loop.advance._cache_size()
+    compiled = cluster_sim.compiled_programs()
     rc, _, stderr = cli("sweep", grid, "--output-dir", d / "out", "--progress", "--no-plots")
     assert rc == 0, stderr
     return {"dir": d / "out", "rows": json.loads((d / "out" / "table.json").read_text())["rows"], "stderr": stderr,
-            "cluster_programs": loop.advance._cache_size() - compiled}
+            "cluster_programs": cluster_sim.compiled_programs() - compiled}
 
 
 @pytest.mark.slow  # two compiled cluster programs (the separate runs)
@@ -219,13 +219,13 @@ def test_cluster_no_recompile_when_only_instances_and_numbers_change(monkeypatch
     loop now fails)."""
     first = {"base": {**CLUSTER_BASE, "routing-latency": 50}, "axes": {"num-instances": [4], "rate": [20]}}
     assert run_sweep(parse_grid(first)).rows[0]["result"] == "ok"
-    before = (loop.advance._cache_size(), cluster_sim._init._cache_size())
+    before = cluster_sim.compiled_programs()
     monkeypatch.setattr(loop, "run_cluster", chex.assert_max_traces(loop.run_cluster, n=0))
     chex.clear_trace_counter()
     other = {"base": {**CLUSTER_BASE, "seed": 7, "snapshot-refresh-interval": 10_000, "routing-latency": 30},
              "axes": {"num-instances": [3, 2], "rate": [15, 25]}}
     table = run_sweep(parse_grid(other))
-    assert (loop.advance._cache_size(), cluster_sim._init._cache_size()) == before
+    assert cluster_sim.compiled_programs() == before
     assert all(r["result"] == "ok" for r in table.rows)
     assert len({r["ttft_p99_ms"] for r in table.rows}) == 4
     assert {r["completed_requests"] for r in table.rows} == {128}

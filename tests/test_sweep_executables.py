@@ -1,4 +1,4 @@
-"""Compiled sweep programs kept on disk (sweep/executables.py): a later process loads them
+"""Compiled sweep programs kept on disk (blis_jax/executables.py): a later process loads them
 instead of tracing the engine again, with identical results; the key changes with everything
 the program depends on; a damaged or unwritable entry only costs a compilation. The grid is
 test_sweep.py's small one, so in-process the programs are those the sweep tests compile anyway.
@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from blis_jax import compile_cache
-from blis_jax.sweep import executables, sharding
+from blis_jax import executables
+from blis_jax.sweep import sharding
 from blis_jax.sweep.grid import parse_grid
 from blis_jax.sweep.runner import run_sweep
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blis_jax import executables
 from blis_jax.cluster import admission as adm
 from blis_jax.cluster import deployments as deploy
 from blis_jax.cluster import gateway as gw
@@ -244,16 +245,18 @@ def simulate_cluster_views(
                    (profile, prefill_profile, decode_profile), key, cluster.snapshot_refresh_interval_us,
                    cluster.cache_signal_delay_us)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
+        inputs = jax.device_put((params, cparams, req, deployed.model))
         limit = 0
         while True:
             limit += events_per_chunk
-            cs = loop.advance(cd, cs, params, cparams, req, deployed.model, jnp.int64(limit))
+            cs, done = advance_chunk(cd, cs, inputs, jnp.int64(limit))
             cs = _read_logs(cs, readers)
             if progress is not None:
-                progress(int(jnp.sum(cs.instances.finished)), len(requests), int(jnp.max(cs.instances.now)))
-            if bool(loop.finished(cs, cparams, params, req)):
+                progress(int(np.sum(np.asarray(cs.instances.finished))), len(requests),
+                         int(np.max(np.asarray(cs.instances.now))))
+            if bool(done):
                 break
-        code = int(jnp.bitwise_or.reduce(cs.instances.result)) | int(cs.result)
+        code = int(np.bitwise_or.reduce(np.asarray(cs.instances.result))) | int(cs.result)
         if cs.gateway is not None and bool(cs.gateway.full):
             code |= results.GATEWAY_FULL
         if code & results.GROWABLE and growth < 64:
@@ -263,6 +266,30 @@ def simulate_cluster_views(
 
 
 _init = jax.jit(loop.init_cluster, static_argnums=0)
+
+
+_CHUNK_PROGRAMS: dict = {}  # ClusterDims → the driver's jitted chunk program
+
+
+def advance_chunk(cd: loop.ClusterDims, cs: loop.ClusterState, inputs, event_limit):
+    """The host driver's chunk: (cluster state, (params, cluster params, requests, model), event
+    limit) → (state after the chunk, run over?), through the on-disk executables when the CLI
+    keeps them. The check runs inside the program: evaluated eagerly on device arrays it would
+    compile a dozen one-op programs in every process."""
+    program = _CHUNK_PROGRAMS.get(cd)
+    if program is None:
+        def chunk(cs, inputs, event_limit):
+            params, cparams, req, model = inputs
+            cs = loop.run_cluster(cd, cs, params, cparams, req, model, event_limit)
+            return cs, loop.finished(cs, cparams, params, req)
+
+        program = _CHUNK_PROGRAMS[cd] = jax.jit(chunk, donate_argnums=0)
+    return executables.call(program, f"cluster.advance {cd}", cs, inputs, event_limit)
+
+
+def compiled_programs() -> int:
+    """Programs the cluster driver has compiled in this process (no-recompile tests)."""
+    return sum(p._cache_size() for p in _CHUNK_PROGRAMS.values()) + _init._cache_size()
 
 
 _LOG_FIELDS = ("steps", "step_log_base", "step_sample", "step_start", "step_dur", "step_basis", "run_len",

@@ -88,8 +88,9 @@ class ItlLogReader:
                                     np.asarray(state.step_basis)[at]))
         k = int(state.run_len)
         if k:
-            self._runs.append(np.stack([np.asarray(state.run_req[:k], np.int64), np.asarray(state.run_first[:k]),
-                                        np.asarray(state.run_last[:k])], axis=1))
+            # host copies first: slicing a device array would compile a program per slice shape
+            self._runs.append(np.stack([np.asarray(state.run_req)[:k].astype(np.int64), np.asarray(state.run_first)[:k],
+                                        np.asarray(state.run_last)[:k]], axis=1))
         self._read_steps = steps
 
     def step_trace(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blis_jax import latency
+from blis_jax import executables, latency
 from blis_jax.engine import events, results
 from blis_jax.engine.dims import EngineDims, choose_dims
 from blis_jax.engine.itl_log import ItlLogReader
@@ -146,6 +146,33 @@ def advance(dims: EngineDims, state: EngineState, params: EngineParams, req: Req
     return _run(dims, state, params, req, model, event_limit)
 
 
+_DRIVER_PROGRAMS: dict = {}  # EngineDims → the host driver's (start, chunk) jitted programs
+
+
+def _driver_programs(dims: EngineDims):
+    """The host driver's two programs for `dims`: (params, req, model) → initial state, and
+    (state, (params, req, model), event limit) → (state after the chunk, run over?). Whether
+    the run is over is computed inside the program: evaluated eagerly on device arrays it
+    would compile a dozen one-op programs in every process."""
+    programs = _DRIVER_PROGRAMS.get(dims)
+    if programs is None:
+        def begin(inputs):
+            return start.__wrapped__(dims, *inputs)
+
+        def chunk(state, inputs, event_limit):
+            params, req, model = inputs
+            state = _run(dims, state, params, req, model, event_limit)
+            return state, finished(state, params, req)
+
+        programs = _DRIVER_PROGRAMS[dims] = (jax.jit(begin), jax.jit(chunk, donate_argnums=0))
+    return programs
+
+
+def compiled_programs() -> int:
+    """Programs the host driver has compiled in this process (no-recompile tests)."""
+    return sum(p._cache_size() for pair in _DRIVER_PROGRAMS.values() for p in pair)
+
+
 def run_to_end(dims: EngineDims, params: EngineParams, req: RequestArrays, model) -> EngineState:
     """Whole run in one traced function (for vmap over scenarios and for jit-vs-nojit tests)."""
     state = start.__wrapped__(dims, params, req, model)
@@ -243,17 +270,19 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
             trace_steps=trace_steps,
         )
         req = request_arrays(requests, dims, sessions)
-        state = start(dims, params, req, model)
+        inputs = jax.device_put((params, req, model))
+        start_program, chunk_program = _driver_programs(dims)
+        state = executables.call(start_program, f"engine.start {dims}", inputs)
         itl_reader = ItlLogReader()
         limit = 0
         while True:
             limit += events_per_chunk
-            state = advance(dims, state, params, req, model, jnp.int64(limit))
+            state, done = executables.call(chunk_program, f"engine.advance {dims}", state, inputs,
+                                           jnp.int64(limit))
             state = itl_reader.read(state)
             if progress is not None:
-                done = int(state.finished)
-                progress(done, len(requests), int(state.now))
-            if bool(finished(state, params, req)):
+                progress(int(state.finished), len(requests), int(state.now))
+            if bool(done):
                 break
         code = int(state.result)
         if code & results.GROWABLE and growth < 64:

@@ -26,7 +26,8 @@ import jax
 import numpy as np
 
 from blis_jax.engine import results as result_codes
-from blis_jax.sweep import executables, memory, sharding
+from blis_jax import executables
+from blis_jax.sweep import memory, sharding
 from blis_jax.sweep.progress import SweepProgress
 
 MAX_GROWTH = 64  # as simulate_instance: buffers grow ×4 per retry, up to ×64

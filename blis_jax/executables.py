@@ -1,4 +1,4 @@
-"""Compiled sweep batch programs kept on disk, so that a later process skips tracing them too.
+"""Compiled programs kept on disk, so that a later process skips tracing and lowering them too.
 
 JAX's persistent compilation cache (`blis_jax.compile_cache`) skips XLA's compilation, but every
 process still traces the engine and lowers it to StableHLO before it can look the program up
@@ -10,6 +10,7 @@ the XLA flags and x64 setting, the devices of the mesh, the lane program and its
 and the tree structure, shapes, dtypes and shardings of its inputs. Any edit of the package
 therefore misses every entry. The directory is `compile_cache.executable_dir()`: on exactly
 when the CLI's compilation cache is. An entry that cannot be read is recompiled and rewritten.
+Used by the sweep's batch programs and by the engine and cluster drivers of `run` and `replay`.
 """
 
 from __future__ import annotations
@@ -65,15 +66,18 @@ def program_key(name: str, args) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def call(program: Callable, name: str, args):
-    """`program(args)` (a jitted function of one pytree), through the on-disk cache when it is on."""
+def call(program: Callable, name: str, *args):
+    """`program(*args)` (a jitted function of pytrees), through the on-disk cache when it is on.
+
+    `name` must identify everything the program closes over (its static settings): the key
+    adds only the inputs' structure, shapes, dtypes and shardings."""
     directory = compile_cache.executable_dir()
     if directory is None or _EQX_MISSING is None:
-        return program(args)
+        return program(*args)
     key = program_key(name, args)
     compiled = _LOADED.get(key)
     if compiled is None:
-        compiled = _load(directory / key) or _store(directory / key, program.lower(args).compile())
+        compiled = _load(directory / key) or _store(directory / key, program.lower(*args).compile())
         _LOADED[key] = compiled
     return compiled(*jax.tree.leaves(args))
 
@@ -115,7 +119,7 @@ def _store(path: Path, compiled):
         _prune(path.parent, MAX_BYTES)
     except Exception:  # noqa: BLE001 - e.g. XLA cannot serialize some programs: only the next process pays
         pass
-    return lambda *leaves: compiled(jax.tree.unflatten(in_tree, leaves)[0][0])
+    return lambda *leaves: compiled(*jax.tree.unflatten(in_tree, leaves)[0])
 
 
 def _prune(directory: Path, max_bytes: int) -> None:
