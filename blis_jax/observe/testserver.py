@@ -31,6 +31,7 @@ from aiohttp import web
 
 CHAT_TEMPLATE_TOKENS = 7   # a chat template's fixed overhead, as real servers add
 CACHE_BLOCK_WORDS = 16     # prefix-cache granularity of the /metrics counters
+STALL_S = 3600.0           # a stalled request sleeps this long (clients time out first)
 
 
 @dataclasses.dataclass
@@ -86,7 +87,8 @@ class OpenAITestServer:
         return app
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        # stalled handlers must not hold shutdown for aiohttp's default 60 s
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -141,7 +143,7 @@ class OpenAITestServer:
         n, finish = self._output_length(body)
         stall = ordinal in cfg.stall
         if stall and cfg.stall_after_chunks < 0:
-            await asyncio.sleep(3600)
+            await asyncio.sleep(STALL_S)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -164,18 +166,18 @@ class OpenAITestServer:
         n = max_tokens if min_tokens >= max_tokens else max(min_tokens, min(max_tokens, self.config.default_output_tokens))
         return n, ("length" if n >= max_tokens else "stop")
 
-    async def _pace(self, t0: float, tokens: int, start: int = 0):
-        """Sleep until token `start + k` is due for k in 0..tokens-1 (an async generator would be
-        nicer; the callers need only the due times)."""
+    async def _pace(self, t0: float, tokens: int) -> None:
+        """Wait until the last of `tokens` tokens is due (non-streaming: sent in one piece)."""
         cfg = self.config
         due = t0 + cfg.ttft_ms / 1000
-        for k in range(start + tokens):
-            if k:
-                due += cfg.itl_ms / 1000 * (1 + cfg.slowdown * max(self.in_flight - 1, 0))
-            if k >= start:
-                delay = due - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+        for k in range(1, tokens):
+            due += cfg.itl_ms / 1000 * (1 + cfg.slowdown * max(self.in_flight - 1, 0))
+            delay = due - time.monotonic()
+            if delay > 0.002:  # sleep per token only when it matters, so the slowdown tracks load
+                await asyncio.sleep(delay)
+        delay = due - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
 
     async def _stream(self, request, body, chat, n, finish, prompt_tokens, t0, entry, stall) -> web.StreamResponse:
         cfg = self.config
@@ -199,7 +201,7 @@ class OpenAITestServer:
             if delay > 0:
                 await asyncio.sleep(delay)
             if stall and k >= cfg.stall_after_chunks:
-                await asyncio.sleep(3600)
+                await asyncio.sleep(STALL_S)
             reason = finish if k == n - 1 else None
             if chat:
                 if k == 0:
