@@ -25,6 +25,7 @@ from blis_jax.observe.http_request import RequestSpec, encode_body, endpoint_url
 from blis_jax.observe.sse import StreamState, usage_tokens
 
 CANCELED = "context canceled"  # BLIS's (Go's) wording for an interrupted request
+DRAIN_S = 0.05
 
 
 def now_us() -> int:
@@ -145,6 +146,8 @@ class Client:
                 state.feed(line, now_us())
         finally:
             _take_stream(out, state)
+        if state.done:
+            await _drain(resp)
         if state.num_chunks and state.usage is None:
             self.warn(f"streaming response had {state.num_chunks} chunks but no usage data "
                       "(missing stream_options?)")
@@ -171,6 +174,17 @@ class Client:
             reason = choices[0].get("finish_reason")
             if isinstance(reason, str):
                 out.finish_reason = reason
+
+
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    """Read the end of the body after `[DONE]` (normally just the chunked-encoding end) so the
+    keep-alive connection goes back to the pool: a connection released half-read is closed,
+    and a new TCP connection per request adds set-up time to the next send. Bounded: a server
+    that keeps the stream open after `[DONE]` only loses its connection."""
+    try:
+        await asyncio.wait_for(resp.content.read(), DRAIN_S)
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+        pass
 
 
 def _take_stream(out: Outcome, state: StreamState) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import math
 import signal
 import sys
@@ -264,6 +265,11 @@ async def _observe(args, parsed, workload, stdout, stderr, diag, log) -> int:
                 start_scrape = await kvscrape.scrape(client, metrics_url)
             except kvscrape.ScrapeError as e:
                 diag.warn(f"KV metrics scrape at start failed: {e}; no observed_kv_metrics")
+        # Everything allocated so far (JAX, NumPy, the workload) moves to the permanent GC
+        # generation: a full collection over that heap during the window would pause the loop
+        # for milliseconds and show up as latency.
+        gc.collect()
+        gc.freeze()
         t0 = time.monotonic()
         recs = [] if stop.is_set() else await dispatcher.run()
         progress.close()

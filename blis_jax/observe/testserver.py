@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import math
 import sys
@@ -283,6 +284,8 @@ async def _serve(args) -> None:
                        stall=frozenset(int(x) for x in args.stall.split(",") if x),
                        stall_after_chunks=args.stall_after_chunks, reject_priority=args.reject_priority)
     async with OpenAITestServer(cfg, args.host, args.port) as server:
+        gc.collect()
+        gc.freeze()  # no full collections over the import heap while timing tokens
         print(f"listening on {server.url}", flush=True)
         await asyncio.Event().wait()
 

@@ -112,6 +112,7 @@ def _from_distribution(args, diag) -> ObservedWorkload:
     from blis_jax.cli import run_workload  # `run`'s own flags → DistributionWorkload
 
     seed = 42 if args.seed is None else args.seed
+    check_bounded(args, 0, 0)
     ns = argparse.Namespace(**{**vars(args), "workload": args.workload or "distribution",
                                "num_requests": args.num_requests or 0, "timeout": -1.0,
                                "horizon": args.horizon if args.horizon else None})
