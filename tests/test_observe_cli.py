@@ -248,3 +248,86 @@ def test_observe_replay_calibrate_loop(tmp_path):
         assert pairs.sim["ttft"][k] == sim[rid]["ttft_us"]
         assert sim[rid]["output_tokens"] == int(r["output_tokens"])
     print(calibrate.format_summary(report))
+
+
+# ------------------------------------------------------------------- a spec, chat, KV, SLOs
+
+
+SPEC = """\
+version: "2"
+seed: 7
+num_requests: 12
+aggregate_rate: 40
+goodput_slo_targets:
+  critical: {e2e_ms: 5000}
+clients:
+  - id: sys
+    rate_fraction: 1
+    slo_class: critical
+    tenant_id: t1
+    streaming: true
+    slo_target_us: 1500
+    prefix_group: sys
+    prefix_length: 32
+    arrival: {process: poisson}
+    input_distribution: {type: constant, params: {value: 48}}
+    output_distribution: {type: constant, params: {value: 3}}
+  - id: chat
+    rate_fraction: 1
+    slo_class: batch
+    arrival: {process: poisson}
+    input_distribution: {type: constant, params: {value: 20}}
+    output_distribution: {type: constant, params: {value: 2}}
+    reasoning:
+      multi_turn: {max_rounds: 2, think_time_us: 5000, context_growth: accumulate}
+"""
+
+
+def test_spec_chat_kv_scrape_and_slo_targets(tmp_path):
+    spec = tmp_path / "w.yaml"
+    spec.write_text(SPEC)
+    with server_process("--ttft-ms", 2, "--itl-ms", 1) as url:
+        rc, out, err = cli(*observe_args(url, tmp_path, "--workload-spec", spec, "--api-format", "chat",
+                                         "--scrape-kv-metrics", "--vllm-commit", "abc", "--slo-ttft", "critical=1s",
+                                         "--server-type", "tgi", "--rtt-ms", 2.5))
+        truth = server_log(url)
+    assert rc == 0, err
+    header, requests = read_trace(tmp_path / "t.yaml", tmp_path / "t.csv")
+    assert header.extra["workload_spec"] == str(spec) and header.workload_seed == 7
+    assert header.extra["server"] == {"type": "tgi", "model": "test-model"}
+    assert header.extra["network"] == {"measured_rtt_ms": 2.5}
+    assert header.goodput_slo_targets == {"critical": {"ttft_ms": 1000.0, "e2e_ms": 5000}}
+    kv = header.extra["observed_kv_metrics"]
+    assert kv["source"] == "gpu-prefix-cache-fallback" and 0 < kv["hit_rate"] < 1 and kv["vllm_commit"] == "abc"
+    recorded = rows(tmp_path / "t.csv")
+    assert list(recorded[0])[:5] == ["request_id", "client_id", "tenant_id", "slo_class", "vllm_priority"]
+    assert "slo_target_us" in recorded[0] and "x_request_id" in recorded[0]
+    sys_rows = [r for r in recorded if r["client_id"] == "sys"]
+    chat_rows = [r for r in recorded if r["client_id"] == "chat"]
+    assert sys_rows and chat_rows and len(truth) == 1 + len(recorded)  # + the probe
+    assert all(r["streaming"] == "true" and r["vllm_priority"] == "0" and r["prefix_group"] == "sys"
+               and r["prefix_length"] == "32" and r["input_tokens"] == "48" for r in sys_rows)
+    assert all(r["streaming"] == "false" and r["vllm_priority"] == "5" for r in chat_rows)
+    assert {r["round_index"] for r in chat_rows} == {"0", "1"}
+    assert all(r["status"] == "ok" and int(r["num_chunks"]) >= 1 for r in recorded)
+    assert '"per_class": {' in out and "=== Session Metrics ===" in out
+    assert "Calibrated tokens-per-word ratio" in err
+
+
+def test_progress_line_on_a_terminal():
+    from blis_jax.observe.progress import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    p = Progress(stream)
+    p.on_sent()
+    p.on_done(ok=False)
+    p.close()
+    text = stream.getvalue()
+    assert text.startswith("\r") and "sent 1, completed 1, errors 1, elapsed" in text and text.endswith("\n")
+    quiet = io.StringIO()
+    Progress(quiet).on_sent()
+    assert quiet.getvalue() == ""
