@@ -183,3 +183,20 @@ def test_think_time_dist_parsing_and_sampling():
             assert message in str(e)
         else:
             raise AssertionError(bad)
+
+
+def test_server_ignoring_min_tokens_is_warned_about():
+    from blis_jax.observe.client import Client, ClientConfig
+
+    async def go():
+        async with OpenAITestServer(ServerConfig(ttft_ms=1.0, itl_ms=0.0, ignore_min_tokens=True,
+                                                 default_output_tokens=2)) as server:
+            async with Client.make_session(4) as session:
+                warnings = []
+                client = Client(ClientConfig(server_url=server.url, model="M"), session, warn=warnings.append)
+                w = workload([0], output_len=[5])
+                records = await Dispatcher(w, client, PromptBuilder(1.0), LiveSessions(w), max_concurrency=1).run()
+                return records, warnings
+    records, warnings = run(go())
+    assert records[0].outcome.output_tokens == 2 and records[0].outcome.finish_reason == "stop"
+    assert warnings == ["generated 2 tokens (< min_tokens=5); server may not support min_tokens"]

@@ -13,12 +13,10 @@ Bad input ends with one `error:` line and exit code 2, like every blis-jax comma
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import math
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import TextIO
@@ -215,6 +213,8 @@ def cmd_observe(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     parsed = validate(args, diag)
     log = _Log(stderr, args.log)
     workload = build_workload(args, diag)
+    if "adapter" in workload.requests.trace_columns:
+        diag.warn("the workload spec declares LoRA adapters; observe ignores them (every request goes to --model)")
     n_static = len(workload.static_rows)
     if n_static == 0:
         diag.warn("No requests generated — writing empty trace")
@@ -337,7 +337,3 @@ def _word_draws():
     until the project ships them, a NumPy stream from the same group seed (same sharing)."""
     from blis_jax.observe import prompts
     return prompts.numpy_word_draws
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("use: blis-jax observe ...")

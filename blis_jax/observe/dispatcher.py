@@ -133,6 +133,17 @@ class Dispatcher:
             pass
         return False
 
+    def _check_finish(self, spec: RequestSpec, out) -> None:
+        """BLIS's diagnostics on the server's finish reason (stderr only; the row is unchanged)."""
+        forced = 0 if self.client.config.unconstrained else spec.output_len  # min_tokens sent
+        if out.finish_reason == "length" and forced <= 0:
+            self.client.warn('finish_reason="length" (output may be truncated)')
+        elif out.finish_reason == "abort":
+            self.client.warn('finish_reason="abort" (server aborted request; timing data unreliable)')
+        elif out.finish_reason == "stop" and 0 < out.output_tokens < forced:
+            self.client.warn(f"generated {out.output_tokens} tokens (< min_tokens={forced}); "
+                             "server may not support min_tokens")
+
     async def _run_one(self, planned: Planned, index: int, sem: asyncio.Semaphore) -> None:
         self._in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self._in_flight)
@@ -151,6 +162,7 @@ class Dispatcher:
                 self.progress.on_sent()
             outcome = await self.client.send(spec)
             completion = self.offset_us()
+            self._check_finish(spec, outcome)
             if self.progress:
                 self.progress.on_done(outcome.status == "ok")
             if index >= self.warmup_requests:
