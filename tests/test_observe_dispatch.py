@@ -200,3 +200,13 @@ def test_server_ignoring_min_tokens_is_warned_about():
     records, warnings = run(go())
     assert records[0].outcome.output_tokens == 2 and records[0].outcome.finish_reason == "stop"
     assert warnings == ["generated 2 tokens (< min_tokens=5); server may not support min_tokens"]
+
+
+def test_server_rejecting_priority_like_a_default_vllm():
+    w = workload([0, 1000], slo_class=["critical", "batch"])
+    _, records, server = dispatch(w, ServerConfig(ttft_ms=1.0, itl_ms=0.0, reject_priority=True), max_concurrency=1)
+    by_class = {str(w.requests.slo_class[r.planned.row]): r.outcome for r in records}
+    assert by_class["critical"].status == "ok"
+    assert (by_class["batch"].status, by_class["batch"].error_message) == (
+        "error", "HTTP 400: priority scheduling is not enabled")
+    assert [b["priority"] for b in server.bodies] == [0, 5]

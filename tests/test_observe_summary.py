@@ -119,3 +119,11 @@ def test_e16_scrape_from_the_test_server_and_a_404():
     block, missing = run(go())
     assert block["source"] == "gpu-prefix-cache-fallback" and block["hit_rate"] == 0.5  # second prompt hits fully
     assert "HTTP 404" in missing
+
+
+def test_itl_path_default():
+    from blis_jax.observe.records import itl_path
+
+    assert itl_path("out/trace.csv", None) == "out/trace.itl.csv"
+    assert itl_path("trace.data", None) == "trace.data.itl.csv"
+    assert itl_path("t.csv", "x.csv") == "x.csv"

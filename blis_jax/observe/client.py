@@ -101,6 +101,11 @@ class Client:
         self._in_flight.add(task)
         try:
             return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not (self.interrupted and task.cancelled()):
+                raise
+            _fail(out, "error", ["headers", 0], CANCELED)  # interrupted before it could start
+            return out
         finally:
             self._in_flight.discard(task)
 
