@@ -165,7 +165,7 @@ def test_stalled_request_is_recorded_as_timeout(tmp_path):
     with server_process("--ttft-ms", 5, "--itl-ms", 1, "--stall", 2) as url:
         t = time.monotonic()
         rc, out, err = cli(*observe_args(url, tmp_path, "--rate", 50, "--num-requests", 4, "--timeout", 1,
-                                         "--output-tokens", 4, "--output-tokens-stdev", 0))
+                                         "--output-tokens", 4, "--output-tokens-stdev", 0, "--stream"))
         took = time.monotonic() - t
     assert rc == 0, err
     recorded = {int(r["request_id"]): r for r in rows(tmp_path / "t.csv")}
@@ -174,6 +174,9 @@ def test_stalled_request_is_recorded_as_timeout(tmp_path):
     assert stalled["status"] == "timeout" and stalled["error_message"].startswith("HTTP timeout: ")
     assert (stalled["first_chunk_time_us"], stalled["num_chunks"]) == ("0", "0")
     assert all(recorded[i]["status"] == "ok" for i in (0, 2, 3))
+    # --stream (blis-jax): every request streams, without an ITL file
+    assert all(r["streaming"] == "true" and int(r["num_chunks"]) in (0, 5) for r in recorded.values())
+    assert not (tmp_path / "t.itl.csv").exists()
     assert took >= 1.0
     assert '"completed_requests": 3' in out
 
