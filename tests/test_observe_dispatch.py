@@ -210,3 +210,27 @@ def test_server_rejecting_priority_like_a_default_vllm():
     assert (by_class["batch"].status, by_class["batch"].error_message) == (
         "error", "HTTP 400: priority scheduling is not enabled")
     assert [b["priority"] for b in server.bodies] == [0, 5]
+
+
+def _flags(**kw):
+    base = dict(workload_spec="", workload="", concurrency=0, think_time_ms=None, seed=None, num_requests=0,
+                horizon=0, prefix_tokens=None, rate=None,
+                **{f"{k}_tokens{s}": None for k in ("prompt", "output") for s in ("", "_stdev", "_min", "_max")})
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_preset_and_distribution_workloads_are_runs_workloads():
+    from blis_jax.cli import build_parser, resolve_run
+
+    w = build_workload(_flags(workload="chatbot", rate=5.0, num_requests=3), diag=None)
+    assert w.workload_spec == "preset:chatbot"
+    assert w.requests.deadline_us.tolist() == [0, 0, 0]  # observe pushes no client timeout
+    # the same arrivals and lengths as `blis-jax run` generates for the same flags and seed
+    args = build_parser().parse_args(["run", "--rate", "5", "--num-requests", "3", "--workload", "chatbot"])
+    _, run_requests = resolve_run(args, diag=None)
+    assert w.requests.arrival_us.tolist() == run_requests.arrival_us.tolist() == [199_999, 399_998, 599_997]
+    assert w.requests.input_len.tolist() == run_requests.input_len.tolist()
+    assert w.requests.output_len.tolist() == run_requests.output_len.tolist()
+    d = build_workload(_flags(rate=10.0, num_requests=4, prefix_tokens=16, seed=3), diag=None)
+    assert d.workload_spec is None and d.seed == 3 and d.prefix_lengths == {"shared": 16}
+    assert (d.requests.prefix_len == 16).all() and d.requests.arrival_us[0] == 99_999

@@ -178,9 +178,10 @@ def validate(args, diag) -> dict:
                               "does not exist; create it first")
     if args.defaults_filepath is not None:
         diag.warn("--defaults-filepath: blis-jax's presets are built in; the file is not read")
-    if args.workload and args.workload not in ("chatbot", "summarization", "contentgen", "multidoc"):
-        raise ConfigError(f'Undefined workload "{args.workload}". Use one among (chatbot, summarization, '
-                          'contentgen, multidoc) or --workload-spec')
+    from blis_jax.workload.presets import PRESETS
+    if args.workload and args.workload not in PRESETS:
+        raise ConfigError(f'Undefined workload "{args.workload}". Use one among ({", ".join(PRESETS)}) '
+                          "or --workload-spec")
     if not args.workload_spec:
         _check_lengths(args)
     return parsed
