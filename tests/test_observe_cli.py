@@ -34,8 +34,10 @@ def cli(*argv) -> tuple[int, str, str]:
 
 @contextlib.contextmanager
 def server_process(*flags):
-    """The test server in its own process on a free 127.0.0.1 port; yields its URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "blis_jax.observe.testserver", "--port", "0", *map(str, flags)],
+    """The test server in its own process on a free 127.0.0.1 port; yields its URL. Run as a
+    file: it needs only aiohttp, and skipping the package import (JAX) saves ~3 s a start."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "blis_jax" / "observe" / "testserver.py"), "--port", "0",
+                             *map(str, flags)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -192,7 +194,7 @@ def test_ctrl_c_leaves_a_readable_trace(tmp_path):
             for line in proc.stderr:  # wait until dispatching has begun
                 if "Calibrated tokens-per-word ratio" in line:
                     break
-            time.sleep(2.0)
+            time.sleep(1.5)
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=20)
         finally:
@@ -201,7 +203,7 @@ def test_ctrl_c_leaves_a_readable_trace(tmp_path):
                 proc.wait()
     assert proc.returncode == 0, err
     header, requests = read_trace(tmp_path / "t.yaml", tmp_path / "t.csv")
-    assert header.mode == "real" and 5 <= len(requests) < 1000
+    assert header.mode == "real" and 3 <= len(requests) < 1000
     recorded = rows(tmp_path / "t.csv")
     statuses = {r["status"] for r in recorded}
     assert "ok" in statuses

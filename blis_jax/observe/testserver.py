@@ -14,7 +14,9 @@ Timing: token k (0-based) of a request is released at receipt + TTFT + k·ITL (o
 token), each ITL stretched by (1 + slowdown·(requests in flight − 1)). The server logs when it
 actually received each request and wrote its first and last chunk (wall-clock epoch µs), keyed
 by `x-request-id`; `GET /debug/requests` returns that log, the ground truth for tests.
-Binds 127.0.0.1 only by default.
+Binds 127.0.0.1 only by default. The module needs only the standard library and aiohttp, so
+it also runs as a plain file (`python blis_jax/observe/testserver.py`), without the package's
+JAX import.
 """
 
 from __future__ import annotations
