@@ -89,6 +89,8 @@ def observe_args(url, tmp_path, *extra):
     (["--rate", "1", "--slo-ttft", "critical=10"], '--slo-ttft: unparseable duration in pair "critical=10"'),
     (["--workload", "chat", "--rate", "1"], 'Undefined workload "chat"'),
     (["--rate", "1"], "Workload requires either num_requests"),
+    (["--rate", "1", "--num-requests", "2", "--detectors", "slope"], "--detectors: BLIS's post-hoc saturation"),
+    (["--rate", "1", "--num-requests", "2", "--trace-data", "/nonexistent/dir/t.csv"], "does not exist"),
 ])
 def test_bad_flags_fail_before_sending(argv, message, tmp_path):
     full = ["observe", *argv]

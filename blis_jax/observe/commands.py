@@ -159,8 +159,8 @@ def validate(args, diag) -> dict:
                           "using clients[].concurrency instead")
     for name in ("detectors", "saturation_config", "saturation_report", "saturation_final_window"):
         if getattr(args, name):
-            raise ConfigError(f"--{name.replace('_', '-')}: saturation detectors are not supported by blis-jax "
-                              "observe yet; run them on the replay (blis-jax replay) instead")
+            raise ConfigError(f"--{name.replace('_', '-')}: BLIS's post-hoc saturation detectors are not "
+                              "implemented in blis-jax yet; leave the flag out")
     # blis-jax: checked before the run, not after it (spec §12)
     slo = {}
     for dim in ("ttft", "itl", "e2e"):
