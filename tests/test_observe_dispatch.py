@@ -234,3 +234,23 @@ def test_preset_and_distribution_workloads_are_runs_workloads():
     d = build_workload(_flags(rate=10.0, num_requests=4, prefix_tokens=16, seed=3), diag=None)
     assert d.workload_spec is None and d.seed == 3 and d.prefix_lengths == {"shared": 16}
     assert (d.requests.prefix_len == 16).all() and d.requests.arrival_us[0] == 99_999
+
+
+def test_follow_up_is_not_held_back_by_a_later_pre_generated_request():
+    spec = _multi_turn(2)
+    spec["num_requests"] = 3
+    spec["aggregate_rate"] = 2.0
+    spec["clients"][0]["arrival"] = {"process": "constant"}
+    spec["clients"].append({"id": "single", "rate_fraction": 1.0, "arrival": {"process": "constant"},
+                            "input_distribution": {"type": "constant", "params": {"value": 20}},
+                            "output_distribution": {"type": "constant", "params": {"value": 2}}})
+    w = spec_workload(spec)
+    static = w.requests.arrival_us[w.static_rows].tolist()
+    assert static[-1] - static[0] >= 900_000  # a pre-generated request about 1 s after round 0
+    _, records, _ = dispatch(w)
+    assert len(records) == 4
+    first = min((r for r in records if r.planned.session_id), key=lambda r: r.index)
+    follow = [r for r in records if r.planned.session_id and r.planned.round_index == 1][0]
+    # sent about the think time after round 0 completed, not after the later request's arrival
+    assert follow.outcome.send_us - first.outcome.last_chunk_us < 300_000
+    assert follow.planned.arrival_us < static[-1]

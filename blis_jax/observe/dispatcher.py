@@ -5,9 +5,13 @@ Loop: take the next request — the head of the pending follow-ups if its arriva
 than the next pre-generated one's (ties to the follow-up), else the pre-generated one; with
 neither but sessions active, wait for a completion — sleep until S0 + arrival, take a slot
 (head-of-line: later requests queue behind a blocked one and go out late, never skipped, never
-re-timed), assign the next dispatch index and start the request. An interrupt stops
-dispatching at once (unlike BLIS, which may still start a few overdue requests), aborts the
-requests in flight (recorded as `error`, context canceled) and drains.
+re-timed), assign the next dispatch index and start the request.
+
+Two departures from BLIS, both to honour arrivals: a completion during the sleep makes the
+loop choose again (BLIS sleeps until the chosen request is due, so a follow-up due earlier
+waits for it and goes out late), and an interrupt stops dispatching at once (BLIS may still
+start a few overdue requests). Interrupted requests in flight are recorded as `error`
+(context canceled) and the loop drains.
 """
 
 from __future__ import annotations
@@ -76,23 +80,30 @@ class Dispatcher:
             if head is None:
                 row = next(static, None)
                 head = None if row is None else self.sessions.planned_static(row)
-            if self._pending and (head is None or self._pending[0].arrival_us <= head.arrival_us):
-                planned = self._pending.popleft()
-            elif head is not None:
-                planned, head = head, None
-                if self.sessions.is_session(planned):
-                    self._active_sessions += 1
-            elif self._active_sessions > 0:
+            from_pending = bool(self._pending) and (head is None or self._pending[0].arrival_us <= head.arrival_us)
+            if not from_pending and head is None:
+                if self._active_sessions == 0:
+                    break
                 self._wake.clear()
                 await self._wait_any(self._wake.wait())
                 continue
+            planned = self._pending[0] if from_pending else head
+            delay = self.start_monotonic + planned.arrival_us / 1e6 - time.monotonic()
+            if delay > 0:
+                self._wake.clear()
+                woke = await self._sleep(delay)
+                if woke == "cancel":
+                    break
+                if woke == "wake":  # a follow-up (maybe due earlier) or a session end: choose again
+                    continue
+            if from_pending:
+                self._pending.popleft()
             else:
-                break
+                head = None
+                if self.sessions.is_session(planned):
+                    self._active_sessions += 1
             if self.stream_all:  # --record-itl (BLIS) or --stream
                 planned.streaming = True
-            delay = self.start_monotonic + planned.arrival_us / 1e6 - time.monotonic()
-            if delay > 0 and not await self._sleep(delay):
-                break
             if sem.locked():
                 if not await self._wait_any(sem.acquire()):
                     break
@@ -110,13 +121,16 @@ class Dispatcher:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         return self.records
 
-    async def _sleep(self, delay: float) -> bool:
-        """Sleep `delay` s; False when interrupted first."""
-        try:
-            await asyncio.wait_for(self._cancelled.wait(), timeout=delay)
-            return False
-        except TimeoutError:
-            return True
+    async def _sleep(self, delay: float) -> str:
+        """Sleep `delay` s: "time" when it ran out, "wake" when a completion came first,
+        "cancel" on an interrupt."""
+        waits = [asyncio.ensure_future(self._cancelled.wait()), asyncio.ensure_future(self._wake.wait())]
+        done, pending = await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if self._cancelled.is_set():
+            return "cancel"
+        return "wake" if done else "time"
 
     async def _wait_any(self, awaitable) -> bool:
         """Await `awaitable` unless an interrupt comes first (then cancel it; False)."""
