@@ -224,7 +224,7 @@ def cmd_observe(args, stdout: TextIO, stderr: TextIO, diag) -> int:
 
 
 async def _observe(args, parsed, workload, stdout, stderr, diag, log) -> int:
-    from blis_jax.observe import kvscrape, records, summary
+    from blis_jax.observe import kvscrape
     from blis_jax.observe.client import Client, ClientConfig
     from blis_jax.observe.dispatcher import Dispatcher
     from blis_jax.observe.progress import Progress
@@ -272,8 +272,11 @@ async def _observe(args, parsed, workload, stdout, stderr, diag, log) -> int:
         gc.collect()
         gc.freeze()
         t0 = time.monotonic()
-        recs = [] if stop.is_set() else await dispatcher.run()
-        progress.close()
+        try:
+            recs = [] if stop.is_set() else await dispatcher.run()
+        finally:
+            gc.unfreeze()
+            progress.close()
         if dispatcher.cancelled:
             log.info("Interrupted: in-flight requests aborted; writing what was recorded")
         kv = None
@@ -284,6 +287,14 @@ async def _observe(args, parsed, workload, stdout, stderr, diag, log) -> int:
                 log.info(f"Observed KV hit rate: {kv['hit_rate']:g} ({kv['source']})")
             except kvscrape.ScrapeError as e:
                 diag.warn(f"KV metrics: {e}; no observed_kv_metrics")
+    _write_outputs(args, parsed, workload, recs, kv, t0, stdout, diag, log)
+    return 0
+
+
+def _write_outputs(args, parsed, workload, recs, kv, t0: float, stdout: TextIO, diag, log) -> None:
+    """Trace, stdout summary, ITL file (spec §2 steps 16-22)."""
+    from blis_jax.observe import records, summary
+
     targets = summary.merge_targets(workload.goodput_targets, parsed["slo"])
     header = records.observed_header(warmup=args.warmup_requests, seed=workload.seed,
                                      workload_spec=workload.workload_spec, server_type=args.server_type,
@@ -315,7 +326,6 @@ async def _observe(args, parsed, workload, stdout, stderr, diag, log) -> int:
         if not itl_rows:
             diag.warn("--record-itl was set but no ITL data recorded (non-streaming requests?)")
         records.write_itl(path, itl_rows)
-    return 0
 
 
 def _install_signals(dispatcher, stop: asyncio.Event) -> None:
