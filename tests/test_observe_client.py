@@ -166,3 +166,15 @@ def test_grouped_row_input_tokens_exclude_the_prefix_and_csv_quoting():
     assert ",shared,128,false,72," in row
     assert '"HTTP 500: a, ""b""\nc"' in row
     assert go_csv_field(" lead") == '" lead"' and go_csv_field("") == "" and go_csv_field("x") == "x"
+
+
+def test_non_streaming_body_that_stalls_is_a_read_timeout():
+    async def handler(request):
+        resp = web.StreamResponse(status=200)
+        await resp.prepare(request)
+        await resp.write(b'{"choices": [')
+        await asyncio.sleep(30)
+        return resp
+    out = send(handler, RequestSpec(prompt="p", output_len=3), timeout_s=0.3)
+    assert out.status == "timeout" and out.error_message.startswith("read timeout: ")
+    assert (out.first_chunk_us, out.last_chunk_us, out.num_chunks) == (0, 0, 0) and out.send_us > 0
