@@ -80,7 +80,8 @@ def observe_args(url, tmp_path, *extra):
     (["--workload", "chatbot"], '--workload "chatbot" requires --rate'),
     (["--concurrency", "2", "--rate", "1"], "--concurrency and --rate are mutually exclusive"),
     (["--rate", "1", "--think-time-dist", "constant:value=1s"], "--think-time-dist requires --concurrency"),
-    (["--concurrency", "2", "--think-time-dist", "weird:x=1"], '--think-time-dist: unsupported think-time-dist type "weird"'),
+    (["--concurrency", "2", "--think-time-dist", "weird:x=1"],
+     '--think-time-dist: unsupported think-time-dist type "weird"'),
     (["--rate", "1", "--max-concurrency", "0"], "--max-concurrency must be > 0, got 0"),
     (["--rate", "1", "--prewarm-duration", "5"], "--prewarm-duration: time: missing unit"),
     (["--rate", "-1"], "--rate must be a finite value > 0, got -1"),
@@ -136,7 +137,8 @@ def _timing_run(tmp_path, n: int, within_5ms: float) -> None:
     e2e_err = np.abs(np.array(client_e2e) - np.array(server_e2e)) / 1000
     print(f"n={n}: |TTFT error| p50 {np.median(ttft_err):.3f} ms p99 {np.percentile(ttft_err, 99):.3f} ms max "
           f"{ttft_err.max():.3f} ms; |E2E error| p50 {np.median(e2e_err):.3f} ms p99 {np.percentile(e2e_err, 99):.3f} "
-          f"ms max {e2e_err.max():.3f} ms; within 5 ms: TTFT {np.mean(ttft_err <= 5):.4f}, E2E {np.mean(e2e_err <= 5):.4f}")
+          f"ms max {e2e_err.max():.3f} ms; within 5 ms: TTFT {np.mean(ttft_err <= 5):.4f}, "
+          f"E2E {np.mean(e2e_err <= 5):.4f}")
     assert np.mean(ttft_err <= 5) >= within_5ms and np.mean(e2e_err <= 5) >= within_5ms
     assert np.median(ttft_err) < 2 and np.median(e2e_err) < 2
     # and against the configured timing: TTFT = 30 ms, E2E = 30 + 4·(n_tokens − 1) ms
@@ -246,7 +248,8 @@ def test_observe_replay_calibrate_loop(tmp_path):
         np.mean([sim[i]["ttft_us"] for i in ids]) + 500)
     # pairing by request_id: each pair's real and simulated latencies belong to the same request
     header, requests = read_trace(tmp_path / "t.yaml", tmp_path / "t.csv")
-    pairs = calibrate.pair_records(calibrate.observed_from_trace(requests), calibrate.read_sim_results(tmp_path / "sim.json"),
+    pairs = calibrate.pair_records(calibrate.observed_from_trace(requests),
+                                   calibrate.read_sim_results(tmp_path / "sim.json"),
                                    warmup_requests=header.warm_up_requests)
     by_id = {int(r["request_id"]): r for r in recorded}
     for k, rid in enumerate(pairs.request_id.tolist()):

@@ -219,7 +219,8 @@ def cmd_observe(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     n_static = len(workload.static_rows)
     if n_static == 0:
         diag.warn("No requests generated — writing empty trace")
-    log.info(f"Generated {n_static} requests" + (f" and {workload.num_sessions} sessions" if workload.num_sessions else ""))
+    sessions = f" and {workload.num_sessions} sessions" if workload.num_sessions else ""
+    log.info(f"Generated {n_static} requests{sessions}")
     return asyncio.run(_observe(args, parsed, workload, stdout, stderr, diag, log))
 
 

@@ -98,7 +98,8 @@ _TIME = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)(us|ms|s)?$")
 def _time_us(key: str, text: str) -> float:
     m = _TIME.match(text.strip())
     if not m:
-        raise ConfigError(f"invalid {key} value {text!r}: expected a non-negative number with optional unit us, ms or s")
+        raise ConfigError(f"invalid {key} value {text!r}: expected a non-negative number with optional unit "
+                          "us, ms or s")
     value = float(m.group(1)) * {"us": 1.0, "ms": 1e3, "s": 1e6, None: 1e3}[m.group(2)]
     if not math.isfinite(value):
         raise ConfigError(f"invalid {key} value {text!r}: not finite")

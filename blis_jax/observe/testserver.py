@@ -166,7 +166,10 @@ class OpenAITestServer:
             n = max(self.config.default_output_tokens, min_tokens)
             return n, "stop"
         max_tokens = int(max_tokens)
-        n = max_tokens if min_tokens >= max_tokens else max(min_tokens, min(max_tokens, self.config.default_output_tokens))
+        if min_tokens >= max_tokens:
+            n = max_tokens
+        else:
+            n = max(min_tokens, min(max_tokens, self.config.default_output_tokens))
         return n, ("length" if n >= max_tokens else "stop")
 
     async def _pace(self, t0: float, tokens: int) -> None:
@@ -250,7 +253,7 @@ class OpenAITestServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         self.metrics_requests += 1
         lines = [
-            "# HELP vllm:gpu_prefix_cache_queries_total GPU prefix cache queries, in terms of number of queried tokens.",
+            "# HELP vllm:gpu_prefix_cache_queries_total GPU prefix cache queries, in queried tokens.",
             "# TYPE vllm:gpu_prefix_cache_queries_total counter",
             f'vllm:gpu_prefix_cache_queries_total{{engine="0",model_name="test"}} {float(self.cache_queries)}',
             f'vllm:gpu_prefix_cache_queries_created{{engine="0",model_name="test"}} {time.time()}',
