@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not use JAX's persistent compilation cache (default: on, in "
                              "$XDG_CACHE_HOME/blis-jax/jax-cache; env BLIS_JAX_COMPILE_CACHE=DIR or 0)")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{run,replay,convert,compose,calibrate,sweep,plan,fit,sensitivity}",
+                                metavar="{run,replay,convert,compose,calibrate,sweep,plan,fit,sensitivity,observe}",
                                 parser_class=_Parser)
     sub.required = True
     run = sub.add_parser("run", allow_abbrev=False, help="generate a workload and simulate it",
@@ -437,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep_parsers(sub)
     _add_fit_parser(sub)
     _add_sensitivity_parser(sub)
+    _add_observe_parser(sub)
     return parser
 
 
@@ -481,6 +482,18 @@ def cmd_sensitivity(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> 
     from blis_jax.fit import sensitivity_commands
 
     return sensitivity_commands.cmd_sensitivity(args, stdout, stderr, diag)
+
+
+def _add_observe_parser(sub) -> None:
+    from blis_jax.observe import commands  # flags and logic live in blis_jax/observe/
+
+    commands.add_parser(sub)
+
+
+def cmd_observe(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    from blis_jax.observe import commands
+
+    return commands.cmd_observe(args, stdout, stderr, diag)
 
 
 # ---------------------------------------------------------------------------- diagnostics
@@ -1072,7 +1085,7 @@ def cmd_calibrate(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> in
 COMMANDS: dict[str, Callable] = {"run": cmd_run, "replay": cmd_replay, "convert": cmd_convert,
                                  "compose": cmd_compose, "calibrate": cmd_calibrate,
                                  "sweep": cmd_sweep, "plan": cmd_plan, "fit": cmd_fit,
-                                 "sensitivity": cmd_sensitivity}
+                                 "sensitivity": cmd_sensitivity, "observe": cmd_observe}
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,

@@ -1,0 +1,177 @@
+"""The workload observe sends: the project's generators, as `run` builds it (spec §1.3).
+
+Four sources, one result (`ObservedWorkload`: a RequestSet whose static rows are sent at their
+arrival, plus session links for closed-loop follow-ups):
+
+* `--workload-spec FILE` → `workload.generate.generate_workload(..., sessions="first_round")`;
+* `--workload PRESET --rate R` and `--rate R` (distribution) → `cli.run_workload`, the very
+  function `run` uses, then `generate_distribution`;
+* `--concurrency N` → a one-client spec with `concurrency: N` users (the spec path above).
+
+Observe differs from `run` in two ways (BLIS): no client timeout is pushed into the workload
+(deadlines only from the spec), and the request cap defaults to 0 (unbounded; a horizon or
+num_requests must bound generation).
+
+Token IDs are not part of a RequestSet (the simulator needs lengths only), so observe draws
+them here: uniform in [0, 128000) per request from a NumPy stream keyed by (seed, row), the
+prefix-group part shared by every member of the group (`token_ids`). Follow-ups of an
+`accumulate` session repeat the previous round's IDs, then the IDs 1..n of its n output
+tokens, then fresh IDs (spec §4.7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import numpy as np
+
+from blis_jax.errors import ConfigError
+from blis_jax.observe.prompts import group_prefix_lengths
+from blis_jax.workload.distribution import (
+    DISTRIBUTION_CLIENT,
+    OUTPUT_DEFAULT,
+    PROMPT_DEFAULT,
+    SHARED_PREFIX_GROUP,
+    generate_distribution,
+)
+from blis_jax.workload.requests import RequestSet
+from blis_jax.workload.sessions import SessionLinks
+
+TOKEN_ID_RANGE = 128_000
+_TOKEN_STREAM, _PREFIX_STREAM = 0x746F6B, 0x707265  # "tok", "pre"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ObservedWorkload:
+    requests: RequestSet               # static rows first (arrival order), then follow-up rows
+    links: SessionLinks                # per row; SessionLinks.none when there are no sessions
+    seed: int
+    workload_spec: str | None          # header `workload_spec`: the path, `preset:<name>`, or None
+    prefix_lengths: dict[str, int]     # group → prefix target length (prefix strings)
+    accumulate: tuple[bool, ...]       # per session slot: context_growth == accumulate
+    goodput_targets: dict | None = None
+    num_sessions: int = 0
+    horizon_us: int | None = None      # the spec's horizon (follow-ups beyond it are not created)
+
+    @property
+    def static_rows(self) -> np.ndarray:
+        return np.flatnonzero(~self.links.follow_up)
+
+    def streaming(self, row: int) -> bool:
+        """The client's `streaming` flag (spec clients only; follow-ups never stream)."""
+        col = self.requests.trace_columns.get("streaming")
+        return bool(col is not None and not self.links.follow_up[row] and col[row] == "true")
+
+    def slo_target_us(self, row: int) -> int:
+        col = self.requests.trace_columns.get("slo_target_us")
+        return int(col[row]) if col is not None and col[row] else 0
+
+
+def token_ids(seed: int, row: int, length: int, prefix_group: str = "", prefix_len: int = 0) -> list[int]:
+    """Token IDs of a static request: the group's shared prefix IDs, then fresh IDs."""
+    prefix_len = min(prefix_len, length) if prefix_group else 0
+    ids: list[int] = []
+    if prefix_len:
+        ids = group_token_ids(seed, prefix_group, prefix_len)
+    return ids + fresh_ids(seed, row, length - prefix_len)
+
+
+def fresh_ids(seed: int, row: int, n: int, round_index: int = 0) -> list[int]:
+    rng = np.random.Generator(np.random.PCG64([_TOKEN_STREAM, seed & 0xFFFFFFFF, row, round_index]))
+    return rng.integers(0, TOKEN_ID_RANGE, size=max(n, 0)).tolist()
+
+
+def group_token_ids(seed: int, group: str, n: int) -> list[int]:
+    key = [_PREFIX_STREAM, seed & 0xFFFFFFFF, *group.encode()]
+    return np.random.Generator(np.random.PCG64(key)).integers(0, TOKEN_ID_RANGE, size=n).tolist()
+
+
+def follow_up_ids(seed: int, row: int, length: int, previous: list[int] | None, completion_tokens: int,
+                  round_index: int, prefix_ids: list[int]) -> list[int]:
+    """IDs of a follow-up: [previous | 1..n | fresh] with accumulate (`previous` given),
+    else [prefix | fresh]; cut or filled with fresh IDs to `length`."""
+    head = previous + list(range(1, completion_tokens + 1)) if previous is not None else list(prefix_ids)
+    head = head[:length]
+    return head + fresh_ids(seed, row, length - len(head), round_index)
+
+
+# --------------------------------------------------------------------------- from flags
+
+
+def build_workload(args: argparse.Namespace, diag) -> ObservedWorkload:
+    """The workload of observe's flags (validated beforehand by `commands.validate`)."""
+    if args.workload_spec:
+        return _from_spec(args.workload_spec, args, label=args.workload_spec)
+    if args.concurrency and args.concurrency > 0:
+        return _from_spec(_concurrency_spec(args), args, label=None)
+    return _from_distribution(args, diag)
+
+
+def _from_distribution(args, diag) -> ObservedWorkload:
+    from blis_jax.cli import run_workload  # `run`'s own flags → DistributionWorkload
+
+    seed = 42 if args.seed is None else args.seed
+    check_bounded(args, 0, 0)
+    ns = argparse.Namespace(**{**vars(args), "workload": args.workload or "distribution",
+                               "num_requests": args.num_requests or 0, "timeout": -1.0,
+                               "horizon": args.horizon if args.horizon else None})
+    workload = run_workload(ns, diag)
+    requests = generate_distribution(workload, seed)
+    groups = {SHARED_PREFIX_GROUP: workload.prefix_tokens} if workload.prefix_tokens > 0 else {}
+    return ObservedWorkload(requests=requests, links=SessionLinks.none(len(requests)), seed=seed,
+                            workload_spec=f"preset:{args.workload}" if args.workload else None,
+                            prefix_lengths=groups, accumulate=())
+
+
+def _length_dist(mean, std, lo, hi) -> dict:
+    return {"type": "gaussian", "params": {"mean": float(mean), "std_dev": float(std), "min": int(lo), "max": int(hi)}}
+
+
+def _flag_lengths(args, kind: str, default) -> dict:
+    """A length distribution from run's four flags (None = the default)."""
+    values = [getattr(args, f"{kind}_tokens{s}") for s in ("", "_stdev", "_min", "_max")]
+    return _length_dist(*(d if v is None else v for v, d in zip(values, (default.mean, default.std,
+                                                                          default.min, default.max))))
+
+
+def _concurrency_spec(args) -> dict:
+    client = {"id": DISTRIBUTION_CLIENT, "concurrency": int(args.concurrency),
+              "think_time_us": 1000 * int(args.think_time_ms or 0),
+              "input_distribution": _flag_lengths(args, "prompt", PROMPT_DEFAULT),
+              "output_distribution": _flag_lengths(args, "output", OUTPUT_DEFAULT)}
+    if args.prefix_tokens and args.prefix_tokens > 0:
+        client.update(prefix_group=SHARED_PREFIX_GROUP, prefix_length=int(args.prefix_tokens))
+    return {"version": "2", "seed": 42 if args.seed is None else int(args.seed),
+            "num_requests": int(args.num_requests or 0), "clients": [client]}
+
+
+def _from_spec(source, args, label: str | None) -> ObservedWorkload:
+    from blis_jax.workload.generate import generate_workload
+    from blis_jax.workload.inference_perf import expand_inference_perf
+    from blis_jax.workload.sessions import closed_loop_requests
+    from blis_jax.workload.spec import load_spec, parse_spec
+
+    spec = load_spec(source) if isinstance(source, str) else parse_spec(source)
+    check_bounded(args, spec.num_requests or 0, spec.horizon or 0)
+    generated = generate_workload(spec, args.seed, num_requests=args.num_requests or None,
+                                  horizon_us=args.horizon or None, timeout_s=None, sessions="first_round")
+    expanded = expand_inference_perf(spec)
+    # prefix strings for every group a listed client names (the last client's length wins);
+    # cohort members are not listed, so their groups get none (BLIS)
+    listed = [(c.prefix_group or "", c.prefix_length or 0) for c in expanded.clients]
+    requests, links = generated.requests, SessionLinks.none(len(generated.requests))
+    accumulate: tuple[bool, ...] = ()
+    if generated.sessions:
+        requests, links = closed_loop_requests(generated)
+        accumulate = tuple(p.context_growth == "accumulate" for p in generated.sessions)
+    targets = spec.goodput_slo_targets
+    return ObservedWorkload(requests=requests, links=links, seed=generated.seed, workload_spec=label,
+                            prefix_lengths=group_prefix_lengths(listed), accumulate=accumulate,
+                            goodput_targets={k: dict(v) for k, v in targets.items()} if targets else None,
+                            num_sessions=links.num_sessions, horizon_us=spec.horizon or None)
+
+
+def check_bounded(args, spec_num_requests: int, spec_horizon: int) -> None:
+    if (args.num_requests or spec_num_requests) <= 0 and not (args.horizon or spec_horizon):
+        raise ConfigError("Workload requires either num_requests, --num-requests, or --horizon to bound generation")
