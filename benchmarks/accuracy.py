@@ -30,6 +30,7 @@ from blis_jax.fit import real_traces  # noqa: E402
 from blis_jax.sweep import sharding  # noqa: E402
 
 RUNS = ROOT.parent / "shared" / "reference" / "observed" / "requests"
+WARM_UP_S = 60.0  # the summary also scores each replay without its first minute
 
 
 def _cell(row: dict, metric: str, stat: str) -> str:
@@ -50,19 +51,37 @@ def _short(run: str) -> str:
 
 
 def format_table(name: str, scores: dict[str, dict], overloaded: dict[str, bool]) -> str:
-    head = ("| run | stage | ok obs / paired | TTFT mean | p50 | p90 | p99 | TTFT MAPE | "
+    head = ("| run | stage | ok observed / completed simulated / paired | TTFT mean | p50 | p90 | p99 | TTFT MAPE | "
             "E2E mean | p50 | p90 | p99 | E2E MAPE |")
-    lines = [f"#### {name}", "", "Observed → simulated, ms; MAPE per request, %.", "", head,
+    lines = [f"#### {name}", "", "Observed → simulated over the paired requests, ms; MAPE per request, %.", "", head,
              "|" + "---|" * 2 + "---:|" * 11]
     for run, rows in scores.items():
         label = _short(run) + (" (overloaded)" if overloaded[run] else "")
         for stage, row in rows.items():
-            cells = [label if stage == real_traces.ALL else "", stage, f"{row['observed_ok']} / {row['pairs']}"]
+            done = f" / {row['sim_completed']}" if "sim_completed" in row else ""
+            cells = [label if stage == real_traces.ALL else "", stage, f"{row['observed_ok']}{done} / {row['pairs']}"]
             for metric in ("ttft", "e2e"):
                 cells += [_cell(row, metric, s) for s in real_traces.STATS]
                 cells.append(_pct(row.get(f"{metric}_mape_pct")))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def export(folders, coefficients: Path, args) -> int:
+    out = Path(args.export_traces)
+    out.mkdir(parents=True, exist_ok=True)
+    for folder in folders:
+        run = real_traces.load_run(folder, coefficients, prefix_mode=args.prefix)
+        yaml_path, csv_path = real_traces.export_trace(run, out / run.name)
+        flags = list(run.case["replay_args"])
+        flags[flags.index("--trace-header") + 1] = str(yaml_path)
+        flags[flags.index("--trace-data") + 1] = str(csv_path)
+        results = out / f"{run.name}.results.json"
+        flags[flags.index("--results-path") + 1] = str(results)
+        print(f"blis-jax replay {' '.join(flags)} --coefficients {coefficients}")
+        print(f"blis-jax calibrate --trace-header {yaml_path} --trace-data {csv_path} --sim-results {results} "
+              f"--report {out / run.name}.calibration.json")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -76,6 +95,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-first-s", type=float, default=0.0,
                         help="leave out requests sent in the first S seconds of each run (default: 0)")
     parser.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--export-traces", metavar="DIR", default=None,
+                        help="only write each run as simulated (prefix groups added, observed times kept) to "
+                             "DIR/<run>.yaml/.csv for `blis-jax replay` + `calibrate`, and print the commands")
     args = parser.parse_args(argv)
 
     sharding.host_devices_per_core()  # one lane per core
@@ -85,6 +107,8 @@ def main(argv=None) -> int:
     folders = real_traces.run_folders(args.runs)
     if args.only:
         folders = [f for f in folders if any(s in f.name for s in args.only)]
+    if args.export_traces:
+        return export(folders, coefficient_files[0], args)
     start = time.perf_counter()
     jobs = [(c, real_traces.load_run(f, c, prefix_mode=args.prefix)) for c in coefficient_files for f in folders]
     lanes = [real_traces.lane(run) for _, run in jobs]
@@ -98,9 +122,10 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - start
 
     report: dict = {"prefix": args.prefix, "skip_first_s": args.skip_first_s, "wall_s": wall, "coefficients": {}}
-    summary = ["| coefficients | TTFT RMSE | E2E RMSE | loss | TTFT MAPE | E2E MAPE |", "|---|---:|---:|---:|---:|---:|"]
+    summary = [f"| coefficients | TTFT RMSE | E2E RMSE | loss | TTFT MAPE | E2E MAPE | loss without the first "
+               f"{WARM_UP_S:g} s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for coeffs in coefficient_files:
-        scores, overloaded = {}, {}
+        scores, overloaded, later = {}, {}, {}
         for (c, run), sim in zip(jobs, results):
             if c != coeffs:
                 continue
@@ -110,16 +135,21 @@ def main(argv=None) -> int:
                 continue
             scores[run.name] = real_traces.score_run(run, sim, skip_first_s=args.skip_first_s)
             overloaded[run.name] = run.overloaded
+            # the same replay scored without its first minute (cold start, prefix-cache fill)
+            later[run.name] = real_traces.score_run(run, sim, skip_first_s=max(args.skip_first_s, WARM_UP_S))
         loss = real_traces.real_trace_loss([rows[real_traces.ALL] for run, rows in scores.items()
                                             if not overloaded[run]])
-        report["coefficients"][coeffs.stem] = {"runs": scores, "loss": loss}
+        loss_later = real_traces.real_trace_loss([rows[real_traces.ALL] for run, rows in later.items()
+                                                  if not overloaded[run]])
+        report["coefficients"][coeffs.stem] = {"runs": scores, "loss": loss,
+                                               f"loss_without_first_{WARM_UP_S:g}_s": loss_later}
         print(format_table(coeffs.stem, scores, overloaded))
         steps = [f"{_short(run)} {step['obs_ms']:.1f} → {step['sim_ms']:.1f}" for run, rows in scores.items()
-                 if (step := rows[real_traces.ALL]["ttft_cache_fill_step"]) is not None]
+                 if not overloaded[run] and (step := rows[real_traces.ALL]["ttft_cache_fill_step"]) is not None]
         print("Cache-fill step (mean TTFT of requests 50-99 minus 100-149, ms, observed → simulated): "
               + "; ".join(steps) + "\n")
         summary.append(f"| {coeffs.stem} | {loss['ttft_rmse']:.2f} | {loss['e2e_rmse']:.2f} | **{loss['loss']:.2f} %** | "
-                       f"{loss['ttft_mape']:.1f} | {loss['e2e_mape']:.1f} |")
+                       f"{loss['ttft_mape']:.1f} | {loss['e2e_mape']:.1f} | {loss_later['loss']:.2f} % |")
     print(f"#### Loss over the {loss['n']} runs that were not overloaded (%; MAPE: mean over those runs)\n")
     print("\n".join(summary) + "\n")
     print(f"{len(jobs)} replays ({sum(len(r.requests) for _, r in jobs)} requests), prefix {args.prefix}, "

@@ -54,6 +54,7 @@ class RealRun:
     name: str
     folder: Path
     case: Mapping[str, Any]
+    header: Any              # the trace's TraceHeader
     scenario: Any            # cli.Scenario
     requests: RequestSet     # what is simulated
     observed: calibrate.ObservedRecords
@@ -154,8 +155,18 @@ def load_run(folder: str | Path, coefficients: str | Path, *, prefix_mode: str =
     simulated = with_prefix_groups(requests, case, prefix_mode)
     scenario = cli.resolve_scenario(args, cli.Diagnostics(io.StringIO()),
                                     horizon_us=cli.replay_horizon(args, simulated))
-    return RealRun(name=folder.name, folder=folder, case=case, scenario=scenario, requests=simulated,
+    return RealRun(name=folder.name, folder=folder, case=case, header=header, scenario=scenario, requests=simulated,
                    observed=observed, stage=np.asarray(requests.client_id, dtype=str), prefix_mode=prefix_mode)
+
+
+def export_trace(run: RealRun, prefix: str | Path) -> tuple[Path, Path]:
+    """Write the run as simulated (with its prefix groups) and as observed (chunk times and
+    status unchanged) to `<prefix>.yaml` / `<prefix>.csv`: `blis-jax replay` of these files with
+    the case's other flags simulates what the benchmark does, and `blis-jax calibrate` of them
+    against its `--results-path` gives the benchmark's whole-run figures."""
+    from blis_jax.workload.tracev2 import write_trace
+
+    return write_trace(prefix, run.header, run.requests)
 
 
 def lane(run: RealRun):
@@ -232,10 +243,12 @@ def cache_fill_step(pairs: calibrate.CalibrationPairs, pool: int) -> dict[str, f
 
 
 def score_run(run: RealRun, sim: calibrate.SimResults, *, skip_first_s: float = 0.0) -> dict[str, dict[str, Any]]:
-    """Rows keyed `all`, `stage-0`, ... (see `score_pairs`); the `all` row also carries the
-    cache-fill step (`cache_fill_step`, over every pair)."""
+    """Rows keyed `all`, `stage-0`, ... (see `score_pairs`); the `all` row also carries how
+    many of the run's requests the simulation completed and the cache-fill step
+    (`cache_fill_step`, over every pair)."""
     pairs = calibrate.pair_records(run.observed, sim)
     rows = score_pairs(pairs, run.observed, run.stage, skip_first_s=skip_first_s)
+    rows[ALL]["sim_completed"] = int(np.isin(sim.request_id, run.observed.request_id).sum())
     rows[ALL]["ttft_cache_fill_step"] = cache_fill_step(pairs, prompt_pool(run.case)[0])
     return rows
 
@@ -252,3 +265,42 @@ def real_trace_loss(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return {"ttft_rmse": float(ttft), "e2e_rmse": float(e2e), "loss": float(loss), "n": len(rows),
             "ttft_mape": float(np.mean([r["ttft_mape_pct"] for r in rows])),
             "e2e_mape": float(np.mean([r["e2e_mape_pct"] for r in rows]))}
+
+
+# ------------------------------------------------------------------------- fit observations
+
+
+def observed_means_ms(run: RealRun) -> tuple[float, float]:
+    """Mean observed TTFT and E2E (ms) over the run's successful requests."""
+    o = run.observed
+    return (float((o.first_chunk_us - o.send_us)[o.ok].mean()) / 1000.0,
+            float((o.last_chunk_us - o.send_us)[o.ok].mean()) / 1000.0)
+
+
+def fit_observation(run: RealRun):
+    """The run as an observation of `blis-jax fit` (`fit.Prepared`): simulated as it arrived
+    (the requests and scenario of `load_run`), scored on the run means, the observation type
+    whose loss term is the issue-22 loss (`real_trace_loss`: APE of the means over the paired
+    requests, which are all of them when the run was not overloaded). An overloaded run's
+    means cover only the requests that beat the client timeout, so it is refused."""
+    from blis_jax.cli import engine_params
+    from blis_jax.fit.fit import Prepared
+    from blis_jax.fit.observed import ObservedExperiment
+
+    if run.overloaded:
+        raise ConfigError(f"real run {run.name}: {run.case['observed'].get('errored')} requests failed (overloaded); "
+                          "its observed means cover only the requests that beat the client timeout, so it "
+                          "cannot be fitted on its means")
+    ttft, e2e = observed_means_ms(run)
+    s, c = run.scenario, run.case
+    obs = ObservedExperiment(id=run.name, model=str(c["model"]), hardware=s.hardware, tp=s.tp,
+                             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                             total_kv_blocks=s.total_kv_blocks, cpu_kv_blocks=int(c.get("cpu_kv_blocks", 0)),
+                             workload={}, ttft_mean_ms=ttft, e2e_mean_ms=e2e, predictions={})
+    return Prepared(obs=obs, scenario=s, requests=run.requests, links=None, params=engine_params(s))
+
+
+def summary_id(run: RealRun) -> str | None:
+    """The id of the same run in trainval15.json (`case.json` summary_reference), if any."""
+    ref = run.case.get("summary_reference") or {}
+    return ref.get("id")
