@@ -148,7 +148,8 @@ def main(argv=None) -> int:
                  if not overloaded[run] and (step := rows[real_traces.ALL]["ttft_cache_fill_step"]) is not None]
         print("Cache-fill step (mean TTFT of requests 50-99 minus 100-149, ms, observed → simulated): "
               + "; ".join(steps) + "\n")
-        summary.append(f"| {coeffs.stem} | {loss['ttft_rmse']:.2f} | {loss['e2e_rmse']:.2f} | **{loss['loss']:.2f} %** | "
+        summary.append(f"| {coeffs.stem} | {loss['ttft_rmse']:.2f} | {loss['e2e_rmse']:.2f} | "
+                       f"**{loss['loss']:.2f} %** | "
                        f"{loss['ttft_mape']:.1f} | {loss['e2e_mape']:.1f} | {loss_later['loss']:.2f} % |")
     print(f"#### Loss over the {loss['n']} runs that were not overloaded (%; MAPE: mean over those runs)\n")
     print("\n".join(summary) + "\n")

@@ -204,7 +204,8 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
             stderr.write(f"blis-jax: {line}\n")
             stderr.flush()
 
-    say(f"{len(selected)} experiment(s) and {len(real)} real trace(s), fitting {', '.join(F.coefficient_label(k) for k in free)} "
+    say(f"{len(selected)} experiment(s) and {len(real)} real trace(s), fitting "
+        f"{', '.join(F.coefficient_label(k) for k in free)} "
         f"from {start_path}, load generator {args.load_generator}, {args.output_lengths} output lengths")
     with tempfile.TemporaryDirectory(prefix="blis-jax-fit-") as work:
         exps = F.prepare(selected, theta0, num_betas, work, load_generator=args.load_generator,
@@ -222,7 +223,8 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     doc = R.coefficient_document(
         name=name, result=result, exps=exps, num_betas=num_betas,
         observed_path=", ".join(str(p) for p in (args.observed, args.real_traces) if p is not None),
-        observed_sha256=_observations_sha256(observed, real), start_path=str(start_path), start_name=coeffs.provenance.get("name"),
+        observed_sha256=_observations_sha256(observed, real), start_path=str(start_path),
+        start_name=coeffs.provenance.get("name"),
         free=free, lo=lo, hi=hi, command=command, version=__version__, cv=cv,
         settings={"outer": args.outer, "steps": args.steps, "lr": args.lr, "trust": args.trust,
                   "patience": args.patience, "schedule_model": args.schedule_model,

@@ -14,9 +14,9 @@ Prefix caching. The real server cached prompts (prefix caching on; prompt *i* = 
 `prefix_group`, so a plain replay computes every prompt in full. `PREFIX_MODES`:
 
 * ``prompt`` (default): request *i* is in group *i* mod pool (`pool_entries`: two requests
-  sent swapped take each other's entry), whose shared prefix is the group's shortest prompt − 1 token (vLLM always computes at least the last prompt token): a
-  repeat hits every full block of its prompt while it is still cached (the engine's LRU
-  prefix cache decides);
+  sent swapped take each other's entry), whose shared prefix is the group's shortest prompt
+  − 1 token (vLLM always computes at least the last prompt token): a repeat hits every full
+  block of its prompt while it is still cached (the engine's LRU prefix cache decides);
 * ``system``: 10 groups of consecutive pool entries share the configured system prompt only;
 * ``none``: the trace as it is.
 
