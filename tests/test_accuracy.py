@@ -240,3 +240,35 @@ def test_fit_needs_some_observations():
     out, err = io.StringIO(), io.StringIO()
     assert main(["fit", "--outer", "0"], stdout=out, stderr=err) == 2
     assert "error:" in err.getvalue() and "--real-traces" in err.getvalue()
+
+
+@pytest.mark.slow  # one traced simulation of the slice and its compilation
+def test_fit_evaluates_a_real_trace_on_its_replay_means(slice_folder, raw, tmp_path):
+    """`fit --real-traces DIR --outer 0` simulates the (sliced) run as `replay` does and scores it
+    on the observed means taken here from the raw CSV."""
+    import io
+
+    from blis_jax.cli import engine_params, main
+    from blis_jax.engine.simulate import simulate_instance
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    shutil.copytree(slice_folder, runs / "codegen-slice")
+    out, err = io.StringIO(), io.StringIO()
+    report = tmp_path / "report"
+    code = main(["fit", "--real-traces", str(runs), "--start", "fits/trained-physics-iter29.yaml", "--outer", "0",
+                 "--report", str(report), "--quiet"], stdout=out, stderr=err)
+    assert code == 0, err.getvalue()
+    rep = json.loads((report / "report.json").read_text())
+    [row] = rep["experiments"]
+    assert row["id"] == "codegen-slice"
+    assert row["observed"]["ttft_mean_ms"] == pytest.approx(raw["ttft"].mean(), rel=1e-12)
+    run = real_traces.load_run(runs / "codegen-slice", "fits/trained-physics-iter29.yaml")
+    s = run.scenario
+    direct = simulate_instance(run.requests, engine_params(s), s.latency_model, block_size=s.block_size)
+    sim_ttft, sim_e2e = np.asarray(direct.ttft_us).mean() / 1000, np.asarray(direct.e2e_us).mean() / 1000
+    assert row["start"]["ttft_mean_ms"] == pytest.approx(sim_ttft, abs=1e-4)  # the report rounds to 4 digits
+    assert row["start"]["e2e_mean_ms"] == pytest.approx(sim_e2e, abs=1e-4)
+    ape_t = 100 * abs(sim_ttft - raw["ttft"].mean()) / raw["ttft"].mean()
+    ape_e = 100 * abs(sim_e2e - raw["e2e"].mean()) / raw["e2e"].mean()
+    assert rep["loss"]["start"]["loss_pct"] == pytest.approx(ape_t + ape_e, abs=1e-4)
