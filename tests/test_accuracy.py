@@ -272,3 +272,20 @@ def test_fit_evaluates_a_real_trace_on_its_replay_means(slice_folder, raw, tmp_p
     ape_t = 100 * abs(sim_ttft - raw["ttft"].mean()) / raw["ttft"].mean()
     ape_e = 100 * abs(sim_e2e - raw["e2e"].mean()) / raw["e2e"].mean()
     assert rep["loss"]["start"]["loss_pct"] == pytest.approx(ape_t + ape_e, abs=1e-4)
+
+
+def test_the_exported_trace_replays_with_the_prefix_groups_and_keeps_the_observations(slice_folder, tmp_path):
+    """What `benchmarks/accuracy.py --export-traces` writes for `replay` + `calibrate`."""
+    from blis_jax.workload.tracev2 import read_trace
+
+    run = real_traces.load_run(slice_folder, "fits/trained-physics-iter29.yaml")
+    yaml_path, csv_path = real_traces.export_trace(run, tmp_path / "slice")
+    _, back = read_trace(yaml_path, csv_path)
+    r = run.requests
+    for field in ("request_id", "arrival_us", "input_len", "output_len", "deadline_us", "prefix_len"):
+        assert np.array_equal(getattr(back, field), getattr(r, field)), field
+    assert np.array_equal(np.array(back.prefix_group_names)[back.prefix_group],
+                          np.array(r.prefix_group_names)[r.prefix_group])
+    observed = calibrate.observed_from_trace(back)
+    for field in ("send_us", "first_chunk_us", "last_chunk_us", "ok", "input_tokens"):
+        assert np.array_equal(getattr(observed, field), getattr(run.observed, field)), field
