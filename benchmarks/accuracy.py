@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from blis_jax.errors import ConfigError  # noqa: E402
 from blis_jax.fit import real_traces  # noqa: E402
 from blis_jax.sweep import sharding  # noqa: E402
 
@@ -161,4 +162,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ConfigError as e:  # bad input: one line, no traceback
+        print(f"accuracy.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
