@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import shlex
 import tempfile
@@ -28,8 +29,17 @@ def add_parser(sub) -> None:
                     "loss with the simulated schedules held fixed; the best *simulated* loss is kept. Progress "
                     "goes to stderr, the tables to stdout.")
     g = p.add_argument_group("inputs")
-    g.add_argument("--observed", required=True, metavar="FILE",
-                   help="observed experiments JSON (../shared/reference/observed/trainval15.json)")
+    g.add_argument("--observed", default=None, metavar="FILE",
+                   help="observed experiments JSON (../shared/reference/observed/trainval15.json); this and/or "
+                        "--real-traces")
+    g.add_argument("--real-traces", default=None, metavar="DIR",
+                   help="also fit on the real request traces in DIR (../shared/reference/observed/requests: one "
+                        "folder per run with case.json, trace.yaml, trace.csv), each replayed as it arrived and "
+                        "scored on its run means; overloaded runs are left out, and a --observed experiment that "
+                        "is the same run (case.json summary_reference) is replaced by its trace")
+    g.add_argument("--real-prefix", choices=("prompt", "system", "none"), default="prompt",
+                   help="prefix groups for the prompts the real server cached (default: prompt; see "
+                        "docs/ACCURACY.md)")
     g.add_argument("--start", default=str(DEFAULT_FIT), metavar="FILE",
                    help="start coefficients, a fits/*.yaml file with 10 or 11 betas (default: the shipped "
                         "fits/trained-physics-iter29.yaml)")
@@ -86,7 +96,13 @@ def add_parser(sub) -> None:
 
 def _command_line(args) -> str:
     """The fit's command line, rebuilt from the parsed flags (every value explicit)."""
-    parts = ["blis-jax", "fit", "--observed", args.observed, "--start", args.start]
+    parts = ["blis-jax", "fit"]
+    for flag, value in (("--observed", args.observed), ("--real-traces", args.real_traces)):
+        if value is not None:
+            parts += [flag, value]
+    if args.real_traces is not None:
+        parts += ["--real-prefix", args.real_prefix]
+    parts += ["--start", args.start]
     for flag, value in (("--experiments", args.experiments), ("--params", args.params), ("--bounds", args.bounds)):
         if value is not None:
             parts += [flag, value]
@@ -101,6 +117,11 @@ def _command_line(args) -> str:
 
 
 def _validate(args) -> None:
+    if args.observed is None and args.real_traces is None:
+        raise ConfigError("no observations: give --observed FILE (trainval15.json) and/or --real-traces DIR "
+                          "(../shared/reference/observed/requests)")
+    if args.experiments is not None and args.observed is None:
+        raise ConfigError("--experiments selects --observed experiments; give --observed too or drop it")
     if args.outer < 0:
         raise ConfigError(f"--outer {args.outer}: must be >= 0 (0 only evaluates --start)")
     if args.steps < 1:
@@ -125,6 +146,29 @@ def _validate(args) -> None:
                               "create it first")
 
 
+def _real_runs(args, start_path: Path) -> list:
+    """The real runs of --real-traces that can be fitted (not overloaded), resolved with the
+    start coefficients."""
+    from blis_jax.fit import real_traces
+
+    if args.real_traces is None:
+        return []
+    runs = [real_traces.load_run(f, start_path, prefix_mode=args.real_prefix)
+            for f in real_traces.run_folders(args.real_traces)]
+    return [r for r in runs if not r.overloaded]
+
+
+def _observations_sha256(observed, real: list) -> str:
+    """The --observed file's sha256, or with real traces that of the file's hash and every
+    fitted trace.csv together."""
+    if not real:
+        return observed.sha256
+    h = hashlib.sha256((observed.sha256 if observed is not None else "").encode())
+    for r in real:
+        h.update((r.folder / "trace.csv").read_bytes())
+    return h.hexdigest()
+
+
 def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     from blis_jax import __version__
     from blis_jax.fit import fit as F
@@ -132,10 +176,19 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     from blis_jax.fit.observed import load_observed, prediction_loss
 
     _validate(args)
-    observed = load_observed(args.observed)
+    observed = load_observed(args.observed) if args.observed is not None else None
     ids = None if args.experiments is None else [i.strip() for i in args.experiments.split(",") if i.strip()]
-    selected = observed.select(ids)
+    selected = observed.select(ids) if observed is not None else []
     start_path = Path(args.start)
+    real = _real_runs(args, start_path)
+    if real:
+        from blis_jax.fit import real_traces
+
+        replaced = {real_traces.summary_id(r) for r in real}
+        dropped = [e.id for e in selected if e.id in replaced]
+        selected = [e for e in selected if e.id not in replaced]
+        if dropped:
+            diag.warn(f"--real-traces replaces --observed experiment(s) {', '.join(dropped)} (the same runs)")
     coeffs = load_coefficients(start_path)
     theta0, num_betas = F.start_vector(coeffs)
     free = F.parse_params(args.params, theta0, num_betas)
@@ -151,11 +204,13 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
             stderr.write(f"blis-jax: {line}\n")
             stderr.flush()
 
-    say(f"{len(selected)} experiment(s), fitting {', '.join(F.coefficient_label(k) for k in free)} "
+    say(f"{len(selected)} experiment(s) and {len(real)} real trace(s), fitting "
+        f"{', '.join(F.coefficient_label(k) for k in free)} "
         f"from {start_path}, load generator {args.load_generator}, {args.output_lengths} output lengths")
     with tempfile.TemporaryDirectory(prefix="blis-jax-fit-") as work:
         exps = F.prepare(selected, theta0, num_betas, work, load_generator=args.load_generator,
                          output_lengths=args.output_lengths)
+    exps += [real_traces.fit_observation(r) for r in real]
     sim = F.Simulator(progress=say, keep=theta0)
     result = F.fit(exps, theta0, settings, sim, progress=say)
     cv = F.cross_validate(exps, theta0, settings, args.cv, sim, progress=say) if args.cv else None
@@ -166,8 +221,10 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     command = _command_line(args)
     name = args.name or (Path(args.output).stem if args.output else "blis-jax-fit")
     doc = R.coefficient_document(
-        name=name, result=result, exps=exps, num_betas=num_betas, observed_path=str(args.observed),
-        observed_sha256=observed.sha256, start_path=str(start_path), start_name=coeffs.provenance.get("name"),
+        name=name, result=result, exps=exps, num_betas=num_betas,
+        observed_path=", ".join(str(p) for p in (args.observed, args.real_traces) if p is not None),
+        observed_sha256=_observations_sha256(observed, real), start_path=str(start_path),
+        start_name=coeffs.provenance.get("name"),
         free=free, lo=lo, hi=hi, command=command, version=__version__, cv=cv,
         settings={"outer": args.outer, "steps": args.steps, "lr": args.lr, "trust": args.trust,
                   "patience": args.patience, "schedule_model": args.schedule_model,
