@@ -158,28 +158,31 @@ def generate_distribution(workload: DistributionWorkload, seed: int) -> RequestS
     return _generate_distribution(workload, int(seed))
 
 
+def distribution_spec(workload: DistributionWorkload):
+    """BLIS's synthesized spec of the flags (blis-rng.md §4.1): one client with constant
+    arrivals at `rate` and clamped Gaussian lengths (prefix group "shared" with --prefix-tokens)."""
+    from types import MappingProxyType
+
+    from blis_jax.workload.spec import ArrivalSpec, ClientSpec, DistSpec, WorkloadSpec
+
+    def gaussian(d: GaussianLength) -> DistSpec:
+        return DistSpec("gaussian", MappingProxyType({"mean": float(d.mean), "std_dev": float(d.std),
+                                                      "min": float(d.min), "max": float(d.max)}))
+
+    grouped = workload.prefix_tokens > 0
+    client = ClientSpec(id=workload.client_id, rate_fraction=1.0, arrival=ArrivalSpec("constant"),
+                        input_distribution=gaussian(workload.prompt), output_distribution=gaussian(workload.output),
+                        prefix_group=SHARED_PREFIX_GROUP if grouped else "",
+                        prefix_length=workload.prefix_tokens if grouped else None)
+    return WorkloadSpec(aggregate_rate=float(workload.rate), num_requests=workload.num_requests, clients=(client,))
+
+
 @functools.lru_cache(maxsize=64)
 def _generate_distribution(workload: DistributionWorkload, seed: int) -> RequestSet:
-    arrivals = arrival_times_us(workload.rate, workload.num_requests, workload.horizon_us)
-    n = arrivals.shape[0]
-    key = workload_key(seed)
-    prompt = sample_gaussian_lengths(key, workload.prompt, n, _INPUT_DRAW)
-    output = sample_gaussian_lengths(key, workload.output, n, _OUTPUT_DRAW)
-    if workload.timeout_s > 0:
-        deadlines = arrivals + np.int64(round(workload.timeout_s * 1e6))
-    else:
-        deadlines = np.zeros(n, dtype=np.int64)
-    grouped = workload.prefix_tokens > 0
-    return make_request_set(
-        request_id=np.arange(n, dtype=np.int64),
-        arrival_us=arrivals,
-        input_len=prompt + workload.prefix_tokens,
-        output_len=output,
-        deadline_us=deadlines,
-        prefix_group=[SHARED_PREFIX_GROUP if grouped else ""] * n,
-        prefix_len=np.full(n, workload.prefix_tokens, dtype=np.int64),
-        client_id=[workload.client_id] * n,
-    )
+    from blis_jax.workload.generate import generate_workload
+
+    return generate_workload(distribution_spec(workload), seed, num_requests=workload.num_requests,
+                             horizon_us=workload.horizon_us, timeout_s=workload.timeout_s, synthesized=True).requests
 
 
 def _check_int(flag: str, value, minimum: int) -> None:

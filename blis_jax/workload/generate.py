@@ -124,6 +124,10 @@ class SessionPlan:
     base_key: jax.Array      # client key, or window key for per-window clients
     input_dist: object = None   # length distributions of the session's client or window
     output_dist: object = None
+    # Lengths of rounds 1.. drawn from the session's Go stream (BLIS's blueprint); concurrency
+    # users: the follow-ups their stream would give, in order. None: drawn from `base_key`.
+    fresh: np.ndarray | None = None
+    output: np.ndarray | None = None
 
     def round_key(self, round_index: int) -> jax.Array:
         if round_index == 0:
@@ -184,14 +188,18 @@ def generate_requests(spec: WorkloadSpec | Mapping | str | Path, seed: int | Non
 
 def generate_workload(spec: WorkloadSpec | Mapping | str | Path, seed: int | None = None, *,
                       num_requests: int | None = None, horizon_us: int | None = None,
-                      timeout_s: float | None = None, sessions: str = "error") -> GeneratedWorkload:
-    """Generate the requests of a v2 spec.
+                      timeout_s: float | None = None, sessions: str = "error",
+                      synthesized: bool = False) -> GeneratedWorkload:
+    """Generate the requests of a v2 spec exactly as BLIS does (Go streams, `go_generator`).
 
     `seed`, `num_requests`, `horizon_us` override the spec's values (BLIS `--seed`,
     `--num-requests`, `--horizon`); `timeout_s` (BLIS `--timeout`, seconds) overrides every
-    client's timeout (< 0 disables). `sessions`: "error" rejects closed-loop sessions,
+    client's timeout (< 0 disables), as does `synthesized` (a spec built from `run`'s flags,
+    whose timeout BLIS always applies). `sessions`: "error" rejects closed-loop sessions,
     "first_round" returns their round 0 plus `SessionPlan`s.
     """
+    from blis_jax.workload import go_generator as go
+
     if sessions not in SESSION_MODES:
         raise ConfigError(f"sessions: {sessions!r}; use one of {', '.join(SESSION_MODES)}")
     if isinstance(spec, (str, Path)):
@@ -202,13 +210,17 @@ def generate_workload(spec: WorkloadSpec | Mapping | str | Path, seed: int | Non
         raise ConfigError("servegen_data: ServeGen import is not supported yet; convert the ServeGen data "
                           "into explicit clients with lifecycle windows")
     _check_sessions_supported(spec, sessions)
-    expanded = expand_inference_perf(spec)
-    seed = _pick_int("seed", seed, expanded.seed if expanded.seed is not None else DEFAULT_SEED)
+    seed = _pick_int("seed", seed, spec.seed if spec.seed is not None else DEFAULT_SEED)
+    if is_open_loop_multi_turn(spec):
+        expanded = expand_inference_perf(spec)
+        expanded, go_clients = go.expand_clients(expanded, timeout_s, synthesized)
+    else:
+        expanded, go_clients = go.expand_clients(spec, timeout_s, synthesized)
     n = _pick_int("num_requests", num_requests, expanded.num_requests)
     horizon = _pick_int("horizon", horizon_us, expanded.horizon or 0) or None
     if n < 0 or (horizon is not None and horizon < 0):
         raise ConfigError("num_requests and horizon must be ≥ 0")
-    clients = resolve_clients(expanded, timeout_s=timeout_s)
+    clients = resolve_clients(expanded, timeout_s=timeout_s)   # validation, and the clients' labels
     if sessions == "error":
         for rc in clients:
             _reject_closed_loop(rc)
@@ -217,8 +229,60 @@ def generate_workload(spec: WorkloadSpec | Mapping | str | Path, seed: int | Non
         if unbounded:
             raise ConfigError(f"num_requests: 0 and no horizon, but {unbounded[0].path} never stops "
                               "(always on); set num_requests or horizon")
-    generated = _generate(clients, seed, n, horizon)
+    generated = _from_go(go.generate(expanded, go_clients, seed, n, horizon), clients, seed, n)
     return label_open_loop_users(generated) if is_open_loop_multi_turn(spec) else generated
+
+
+def _from_go(gw, clients: tuple[ResolvedClient, ...], seed: int, n: int) -> GeneratedWorkload:
+    """The engine's RequestSet and SessionPlans of a `go_generator.GoWorkload`."""
+    rows = gw.rows
+    total = len(rows)
+    specs = [c.spec for c in gw.clients]
+
+    def col(fn, dtype=np.int64):
+        return np.array([fn(r) for r in rows], dtype=dtype) if total else np.zeros(0, dtype)
+
+    def label(fn) -> np.ndarray:
+        return np.array([fn(specs[r.client]) for r in rows], dtype=object).astype(str) if total \
+            else np.zeros(0, dtype="<U1")
+
+    owner = col(lambda r: r.client)
+    used = sorted(set(owner.tolist()))
+    trace_columns: dict[str, np.ndarray] = {}
+    if any(specs[i].streaming for i in used):
+        trace_columns["streaming"] = label(lambda c: "true" if c.streaming else "false")
+    if any(specs[i].reasoning is not None for i in used):
+        trace_columns["reason_ratio"] = np.array([_format_float(r.reason) for r in rows], dtype=object).astype(str)
+    if any(specs[i].slo_target_us is not None for i in used):
+        trace_columns["slo_target_us"] = label(lambda c: "" if c.slo_target_us is None else str(c.slo_target_us))
+    if any(specs[i].adapter for i in used):
+        trace_columns["adapter"] = label(lambda c: c.adapter)
+    if any(r.parts is not None for r in rows):
+        for k, part in enumerate(("text", "image", "audio", "video")):
+            trace_columns[f"{part}_tokens"] = np.array(
+                [str(r.parts[k]) if r.parts is not None else "0" for r in rows], dtype=object).astype(str)
+    if any(r.group and not r.trace_group for r in rows):
+        # BLIS leaves the prefix group of session rounds out of the trace (their tokens still
+        # start with the group's prefix, which is what the engine's group models).
+        trace_columns["prefix_group"] = np.array([r.group if r.trace_group else "" for r in rows],
+                                                 dtype=object).astype(str)
+        trace_columns["prefix_length"] = col(lambda r: r.prefix_len).astype(str)
+    requests = make_request_set(
+        request_id=np.arange(total, dtype=np.int64), arrival_us=col(lambda r: r.arrival),
+        input_len=col(lambda r: r.prefix_len + r.fresh), output_len=col(lambda r: r.output),
+        deadline_us=col(lambda r: r.deadline),
+        prefix_group=np.array([r.group for r in rows], dtype=object).astype(str) if total else np.zeros(0, "<U1"),
+        prefix_len=col(lambda r: r.prefix_len),
+        slo_class=label(lambda c: c.slo_class), tenant_id=label(lambda c: c.tenant_id),
+        client_id=label(lambda c: c.id), session_id=np.array([r.session for r in rows], dtype=object).astype(str)
+        if total else np.zeros(0, "<U1"),
+        round_index=col(lambda r: r.round_index), model=label(lambda c: c.model), trace_columns=trace_columns)
+    plans = tuple(SessionPlan(
+        session_id=rows[s.row].session, client_index=s.client, request_id=s.row, max_rounds=s.max_rounds,
+        think_time_us=s.think_time_us, context_growth=s.context_growth, timeout_us=s.timeout_us,
+        prefix_len=s.prefix_len, start_index=0, base_key=None, fresh=s.fresh, output=s.output)
+        for s in gw.sessions)
+    return GeneratedWorkload(requests=requests, sessions=plans, clients=clients, seed=seed, num_requests=n)
 
 
 def client_key(seed: int, index: int) -> jax.Array:

@@ -131,7 +131,10 @@ def _follow_up_rows(workload, plans) -> dict[str, np.ndarray]:
     fresh, output, reason = np.zeros(m, np.int64), np.zeros(m, np.int64), np.zeros(m)
     groups: dict[tuple, list[int]] = {}
     for k, p in enumerate(plans):
-        if rounds[k]:
+        if rounds[k] and p.fresh is not None:      # drawn from the session's Go stream
+            at = np.arange(first_row[k], first_row[k] + rounds[k])
+            fresh[at], output[at] = p.fresh[:rounds[k]], p.output[:rounds[k]]
+        elif rounds[k]:
             groups.setdefault((p.client_index, id(p.input_dist), id(p.output_dist)), []).append(k)
     for (client, _, _), members in groups.items():
         rc, p0 = workload.clients[client], plans[members[0]]
@@ -193,8 +196,16 @@ def _concurrency_requests(workload) -> tuple[RequestSet, SessionLinks]:
         first = n0 + k * budget
         pool_base[[plans[s].request_id for s in slots]] = first
         idx = np.arange(budget, dtype=np.int64)
-        starts = g._Starts(p.base_key, np.zeros(budget, np.int64), idx, p.input_dist, p.output_dist)
-        fresh, output, reason, drawn = g._sample_round(rc, starts, g.fold(p.base_key, g.POOL), idx)
+        if p.fresh is not None:
+            # Pool row j: follow-up j // U of user j mod U, from that user's Go stream (BLIS
+            # gives each user its own sequence; which user takes a pool row is the loop's).
+            users = [plans[s] for s in slots]
+            fresh = np.array([users[j % len(users)].fresh[j // len(users)] for j in range(budget)], np.int64)
+            output = np.array([users[j % len(users)].output[j // len(users)] for j in range(budget)], np.int64)
+            reason, drawn = np.zeros(budget), {}
+        else:
+            starts = g._Starts(p.base_key, np.zeros(budget, np.int64), idx, p.input_dist, p.output_dist)
+            fresh, output, reason, drawn = g._sample_round(rc, starts, g.fold(p.base_key, g.POOL), idx)
         src.append(np.full(budget, p.request_id, np.int64))
         inputs.append(p.prefix_len + fresh)
         outputs.append(output)

@@ -381,7 +381,9 @@ def _record_columns(requests: RequestSet, sim_output: _SimResultLike | None) -> 
         "client_id": list(requests.client_id), "tenant_id": list(requests.tenant_id),
         "slo_class": list(requests.slo_class), "session_id": list(requests.session_id),
         "round_index": _ints(requests.round_index),
-        "prefix_group": [names[g] if g >= 0 else "" for g in requests.prefix_group],
+        # A generated set may carry BLIS's own labels (session rounds leave the group out).
+        "prefix_group": carried("prefix_group", "") if "prefix_group" in raw
+        else [names[g] if g >= 0 else "" for g in requests.prefix_group],
         "prefix_length": [str(p) if grouped[i] else c
                           for i, (p, c) in enumerate(zip(requests.prefix_len, carried("prefix_length", "0")))],
         "streaming": carried("streaming", "false"),
