@@ -58,6 +58,7 @@ class GoClient:
     windows: tuple[tuple[int, int], ...] = ()
     factory: tuple | None = None       # ("normexp", count, duration_us) | ("poisson", λ per µs)
     timeout: int | None = None          # µs; None = absent (BLIS defaults, §3.5)
+    timeout_forced: bool = False        # set by --timeout / a synthesized spec (§4.3)
 
     @property
     def multi_turn(self) -> MultiTurnSpec | None:
@@ -181,11 +182,6 @@ def generate(spec: WorkloadSpec, clients: list[GoClient], seed: int, max_request
     seed = to_int64(seed)
     if horizon <= 0:
         return GoWorkload([], [], clients, None)
-    if any(w for c in clients for w in ((c.spec.lifecycle.windows if c.spec.lifecycle else ()))
-           if w.has_overrides):
-        raise ConfigError("lifecycle.windows: per-window overrides (trace_rate, arrival, input/output "
-                          "distributions) are not supported by the BLIS-exact generator yet; move them "
-                          "to separate clients with their own windows")
     wg = PartitionedRNG(seed).for_subsystem(WORKLOAD_GEN)
     rates = client_rates(clients, spec.aggregate_rate)
     prefixes: dict[str, int] = {}
@@ -197,7 +193,12 @@ def generate(spec: WorkloadSpec, clients: list[GoClient], seed: int, max_request
             prefixes[g] = n
     cap = 2 * max_requests if max_requests > 0 else math.inf
     rows: list[Row] = []
+    per_window = any(w.has_overrides for c in clients for w in (c.spec.lifecycle.windows if c.spec.lifecycle else ()))
     for i, c in enumerate(clients):
+        if per_window:
+            if c.windows:
+                rows.extend(_window_rows(i, c, clients, spec.aggregate_rate, GoRand(wg.int63()), horizon))
+            continue
         if rates[i] <= 0 or c.spec.concurrency is not None:
             continue
         rows.extend(_client_rows(i, c, rates[i], GoRand(wg.int63()), prefixes, horizon, cap, max_requests))
@@ -286,6 +287,73 @@ def _client_rows(i: int, c: GoClient, rate: float, r: GoRand, prefixes: dict[str
         if max_requests > 0 and len(out_rows) >= max_requests:
             break
     return out_rows
+
+
+def _window_rate(c: GoClient, k: int, clients: list[GoClient], aggregate: float) -> float:
+    """§5.6 rate (req/s) of window k of client c."""
+    w = c.spec.lifecycle.windows[k]
+    if aggregate == 0 and w.trace_rate is not None:
+        return w.trace_rate
+    own = w.trace_rate if w.trace_rate is not None else (c.spec.rate_fraction or 0.0)
+    total = 0.0
+    for d in clients:
+        if not d.windows:
+            total += d.spec.rate_fraction or 0.0
+            continue
+        for v in d.spec.lifecycle.windows:
+            if v.start_us < w.end_us and w.start_us < v.end_us:
+                total += v.trace_rate if v.trace_rate is not None else (d.spec.rate_fraction or 0.0)
+                break
+    return aggregate * (own / total) if total != 0 else 0.0
+
+
+def _window_rows(i: int, c: GoClient, clients: list[GoClient], aggregate: float, r: GoRand,
+                 horizon: int) -> list[Row]:
+    """§5.6: a client with lifecycle windows when some window overrides rates or samplers."""
+    cs = c.spec
+    mt = cs.multi_turn
+    rows: list[Row] = []
+    for k, w in enumerate(cs.lifecycle.windows):
+        if w.start_us >= horizon:
+            continue
+        start, end = w.start_us, min(w.end_us, horizon)
+        a = w.arrival or cs.arrival
+        inp = _sampler(w.input_distribution or cs.input_distribution)
+        out = _sampler(w.output_distribution or cs.output_distribution)
+        rate = _window_rate(c, k, clients, aggregate)
+        count = math.ceil(rate * ((end - start) / 1e6))
+        if count <= 0:
+            continue
+        lam = rate / 1e6
+        iat = (arrival_sampler(a.process, lam, cv=a.cv, shape=a.shape, scale=a.scale) if a is not None
+               else arrival_sampler("poisson", lam))
+        iats = [iat(r) for _ in range(count)]
+        f = (end - start) / sum(iats)
+        scaled = [int(x * f) for x in iats]
+        scaled[-1] += (end - start) - sum(scaled)
+        if mt is not None:
+            starts, t = [], start
+            for x in scaled if not mt.single_session else scaled[:1]:
+                t += x
+                if t >= end:
+                    break
+                starts.append(t)
+            for t0 in starts:
+                for row in _session(i, c, r, t0, inp, out, 0):
+                    if row.arrival < end:
+                        row.group = ""
+                        rows.append(row)
+            continue
+        t = start
+        for x in scaled:
+            t += x
+            if t >= end:
+                break
+            n, o = inp.sample(r), out.sample(r)
+            r.skip_tokens(n)
+            r.skip_tokens(o)
+            rows.append(Row(t, i, n, o, 0, "", True, deadline(t, c.timeout, False) if c.timeout_forced else 0))
+    return rows
 
 
 def _in_windows(t: int, windows) -> bool:
@@ -416,7 +484,7 @@ def expand_clients(spec: WorkloadSpec, timeout_s: float | None = None,
     if timeout_s is not None or synthesized:
         t = None if timeout_s is None else (int(timeout_s * 1e6) if timeout_s > 0 else 0)
         for c in clients:
-            c.timeout = t
+            c.timeout, c.timeout_forced = t, True
     return spec, clients
 
 
