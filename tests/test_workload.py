@@ -80,10 +80,12 @@ def test_iat_floor_semantics():
 
 
 def test_horizon_bounds_generation():
-    assert arrival_times_us(9, 600, horizon_us=333333).tolist() == [111111, 222222, 333333]
+    # BLIS generates arrivals strictly before the horizon (blis-rng.md §5.3 step 3).
+    assert arrival_times_us(9, 600, horizon_us=333334).tolist() == [111111, 222222, 333333]
+    assert arrival_times_us(9, 600, horizon_us=333333).tolist() == [111111, 222222]
     assert arrival_times_us(9, 2, horizon_us=10**9).tolist() == [111111, 222222]
     horizon_only = generate_distribution(DistributionWorkload(rate=100, num_requests=0, horizon_us=1_000_000), seed=1)
-    assert len(horizon_only) == 100 and horizon_only.arrival_us[-1] == 1_000_000
+    assert len(horizon_only) == 99 and horizon_only.arrival_us[-1] == 990_000
 
 
 # ------------------------------------------------------------------------------- lengths
@@ -148,7 +150,10 @@ def test_prefix_tokens_make_shared_group():
     assert (r.prefix_group == 0).all() and (r.prefix_len == 64).all()
     assert (r.input_len >= 64 + PROMPT_DEFAULT.min).all()
     plain = generate_distribution(DistributionWorkload(rate=5, num_requests=100), 42)
-    np.testing.assert_array_equal(r.input_len, plain.input_len + 64)   # same draws, prefix added
+    # BLIS draws the 64 prefix token IDs from the workload-gen stream before the client seed,
+    # so every length changes (blis-rng.md §4.1), while arrivals do not.
+    assert (r.input_len - 64 != plain.input_len).any()
+    np.testing.assert_array_equal(r.arrival_us, plain.arrival_us)
     assert (plain.prefix_group == -1).all() and (plain.prefix_len == 0).all()
 
 

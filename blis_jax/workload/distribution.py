@@ -110,8 +110,8 @@ def arrival_times_us(rate: float, num_requests: int, horizon_us: int | None = No
     iat = constant_iat_us(rate)
     n = num_requests
     if horizon_us is not None:
-        # Arrivals at or before the horizon: an event exactly at the horizon still runs.
-        by_horizon = horizon_us // iat
+        # BLIS's generator stops at the first arrival at or past the horizon (blis-rng §5.3).
+        by_horizon = (horizon_us - 1) // iat
         n = by_horizon if n == 0 else min(n, by_horizon)
     if n > MAX_GENERATED_REQUESTS:
         raise ConfigError(f"--horizon: {n} requests would be generated (limit {MAX_GENERATED_REQUESTS}); "
@@ -181,6 +181,7 @@ def distribution_spec(workload: DistributionWorkload):
 def _generate_distribution(workload: DistributionWorkload, seed: int) -> RequestSet:
     from blis_jax.workload.generate import generate_workload
 
+    arrival_times_us(workload.rate, workload.num_requests, workload.horizon_us)   # size guard
     return generate_workload(distribution_spec(workload), seed, num_requests=workload.num_requests,
                              horizon_us=workload.horizon_us, timeout_s=workload.timeout_s, synthesized=True).requests
 
