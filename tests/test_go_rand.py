@@ -145,3 +145,26 @@ def test_subsystem_seeds_of_the_spec():
     assert s is p.for_subsystem("workload-gen")
     # First Int63 of the seed-42 workload-gen stream: A01's client seed (blis-rng.md §14).
     assert s.int63() == 8021973113318348621
+
+
+def test_jax_stream_draws_gos_intn():
+    import jax
+    import jax.numpy as jnp
+
+    from blis_jax.rng.go_jax import go_stream, intn, intn_if
+    from blis_jax.rng.streams import subsystem_seed
+
+    seed = subsystem_seed(9, "router")
+    want = GoRand(seed)
+    s = go_stream(seed)
+    step = jax.jit(intn)
+    ns = [4, 3, 2, 4, 7, 1000003, 1 << 20, 5, 1, 2]
+    for n in ns * 30:
+        s, v = step(s, jnp.int64(n))
+        assert int(v) == want.intn(n)
+    s2, v = jax.jit(intn_if)(s, jnp.int64(5), jnp.asarray(False))       # no draw: stream unchanged
+    assert int(v) == 0 and (s2.vec == s.vec).all() and int(s2.tap) == int(s.tap)
+    # vmapped lanes with their own seeds
+    lanes = jax.tree.map(lambda *x: jnp.stack(x), go_stream(1), go_stream(2))
+    _, v = jax.vmap(intn, in_axes=(0, None))(lanes, jnp.int64(6))
+    assert v.tolist() == [GoRand(1).intn(6), GoRand(2).intn(6)]
