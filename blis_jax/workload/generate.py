@@ -214,6 +214,8 @@ def generate_workload(spec: WorkloadSpec | Mapping | str | Path, seed: int | Non
     if is_open_loop_multi_turn(spec):
         expanded = expand_inference_perf(spec)
         expanded, go_clients = go.expand_clients(expanded, timeout_s, synthesized)
+        for c in go_clients:
+            c.draws_tokens = False
     else:
         expanded, go_clients = go.expand_clients(spec, timeout_s, synthesized)
     n = _pick_int("num_requests", num_requests, expanded.num_requests)

@@ -59,6 +59,10 @@ class GoClient:
     factory: tuple | None = None       # ("normexp", count, duration_us) | ("poisson", λ per µs)
     timeout: int | None = None          # µs; None = absent (BLIS defaults, §3.5)
     timeout_forced: bool = False        # set by --timeout / a synthesized spec (§4.3)
+    # False only for blis-jax's open-loop inference-perf extension (not BLIS): no token IDs
+    # are drawn, so its arrivals do not depend on the lengths (fits compare length settings
+    # on the same arrivals).
+    draws_tokens: bool = True
 
     @property
     def multi_turn(self) -> MultiTurnSpec | None:
@@ -273,12 +277,10 @@ def _client_rows(i: int, c: GoClient, rate: float, r: GoRand, prefixes: dict[str
         if mm is not None:
             n, parts = mm.sample(r)
             o = out.sample(r)
-            r.skip_tokens(n)
-            r.skip_tokens(o)
+            _skip(c, r, n, o)
         else:
             n, o = inp.sample(r), out.sample(r)
-            r.skip_tokens(n)
-            r.skip_tokens(o)
+            _skip(c, r, n, o)
         out_rows.append(Row(t, i, n, o, plen, cs.prefix_group, True,
                             deadline(t, c.timeout, bool(cs.closed_loop)), parts=parts))
         count += 1
@@ -350,10 +352,16 @@ def _window_rows(i: int, c: GoClient, clients: list[GoClient], aggregate: float,
             if t >= end:
                 break
             n, o = inp.sample(r), out.sample(r)
-            r.skip_tokens(n)
-            r.skip_tokens(o)
+            _skip(c, r, n, o)
             rows.append(Row(t, i, n, o, 0, "", True, deadline(t, c.timeout, False) if c.timeout_forced else 0))
     return rows
+
+
+def _skip(c: GoClient, r: GoRand, n: int, o: int) -> None:
+    """Tokens(r, n) then Tokens(r, o): the request's input and output token IDs."""
+    if c.draws_tokens:
+        r.skip_tokens(n)
+        r.skip_tokens(o)
 
 
 def _in_windows(t: int, windows) -> bool:
@@ -373,8 +381,7 @@ def _session(i: int, c: GoClient, r: GoRand, t0: int, inp, out, plen: int) -> li
     for k in range(mt.max_rounds):
         if k:
             n, o = inp.sample(r), out.sample(r)
-        r.skip_tokens(n)
-        r.skip_tokens(o)
+        _skip(c, r, n, o)
         ratio = min(1.0, max(0.0, reason.sample(r) / 100)) if reason is not None else 0.0
         rows.append(Row(t, i, context + n, o, plen, cs.prefix_group, False,
                         deadline(t, c.timeout, True), session=sid, round_index=k, reason=ratio))
