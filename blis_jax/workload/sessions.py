@@ -96,6 +96,9 @@ def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
     for k, v in list(columns.items()):
         if k != "reason_ratio":
             columns[k] = np.concatenate([v, v[src]])
+    if "prefix_group" in columns:   # BLIS's trace labels: follow-ups carry no prefix (blis-rng §7)
+        columns["prefix_group"] = np.concatenate([base.trace_columns["prefix_group"], np.full(m, "")])
+        columns["prefix_length"] = np.concatenate([base.trace_columns["prefix_length"], np.full(m, "0")])
     requests = _with_follow_ups(base, src, rows["input"], rows["output"], rows["round"], columns)
     # each round links to the next round of its session (row n0 + k is follow-up k)
     next_round = np.full(n0 + m, -1, np.int64)
