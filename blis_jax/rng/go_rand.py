@@ -94,24 +94,28 @@ def go_round(x: float) -> float:
     return t
 
 
+def _lehmer_powers() -> np.ndarray:
+    """48271^k mod (2³¹−1) for k = 1 … 20 + 3·607: the seeding sequence is x0·A[k] mod m."""
+    out, x = [], 1
+    for _ in range(20 + 3 * LEN):
+        x = x * 48271 % _INT32_MAX
+        out.append(x)
+    return np.array(out, dtype=np.int64)
+
+
+_POWERS = _lehmer_powers()
+
+
 def _seed_register(seed: int) -> np.ndarray:
     """Go's `rngSource.Seed`: the 607-word register (index order) of a fresh source."""
     x = seed % _INT32_MAX          # Python's floor mod equals Go's `%` followed by "+m if < 0"
     if x == 0:
         x = _SEED_ZERO
-    a, m = 48271, _INT32_MAX
-    for _ in range(20):
-        x = a * x % m
-    vals = []
-    for _ in range(LEN):
-        x = a * x % m
-        u = x << 40
-        x = a * x % m
-        u ^= x << 20
-        x = a * x % m
-        u ^= x
-        vals.append(u & ((1 << 64) - 1))
-    return np.array(vals, dtype=np.uint64) ^ _COOKED
+    # Go steps x ← 48271·x mod (2³¹−1) 20 times, then three times per slot; every x is
+    # x0·48271^k mod m, and x0·A[k] < 2⁶² fits in int64.
+    xs = ((np.int64(x) * _POWERS[20:]) % _INT32_MAX).astype(np.uint64).reshape(LEN, 3)
+    u = (xs[:, 0] << np.uint64(40)) ^ (xs[:, 1] << np.uint64(20)) ^ xs[:, 2]
+    return u ^ _COOKED
 
 
 def _extend(history: np.ndarray, n: int) -> np.ndarray:
@@ -152,20 +156,23 @@ class GoRand:
 
     def _refill(self, need: int) -> None:
         """Ensure at least `need` unconsumed words are buffered."""
-        left = self._arr[self._pos:]
+        pos = self._pos
+        left = self._arr[pos:]
         if left.shape[0] >= need:
             return
         n = max(need - left.shape[0], self._next)
         self._next = min(2 * self._next, _MAX_CHUNK)
         new = _extend(self._tail, n)
-        self._tail = np.concatenate([self._tail, new])[-LEN:]
-        self._hist = np.concatenate([self._hist, self._arr[:self._pos]])[-LEN:]
+        self._tail = new[-LEN:] if n >= LEN else np.concatenate([self._tail, new])[-LEN:]
+        self._hist = np.concatenate([self._hist, self._arr[max(0, pos - LEN):pos]])[-LEN:]
+        int31 = (new >> np.uint64(32)) & np.uint64(_INT32_MAX)
+        bad_new = np.flatnonzero(int31 > np.uint64(_TOKEN_MAX))
+        # Positions of words an Intn(128000) draw would reject (blis-rng.md §3.1).
+        start = bisect.bisect_left(self._bad, pos)
+        self._bad = [b - pos for b in self._bad[start:]] + (bad_new + left.shape[0]).tolist()
         self._arr = np.concatenate([left, new]) if left.shape[0] else new
         self._list = None
         self._pos = 0
-        # Positions of words an Intn(128000) draw would reject (blis-rng.md §3.1).
-        int31 = (self._arr >> np.uint64(32)) & np.uint64(_INT32_MAX)
-        self._bad = np.flatnonzero(int31 > np.uint64(_TOKEN_MAX)).tolist()
 
     def _words(self) -> list[int]:
         if self._list is None:

@@ -1,10 +1,9 @@
 """CLI distribution workload (`blis run --workload distribution`, spec §4.1–4.2, §4.5).
 
 BLIS synthesises one client with *constant* arrivals at `--rate` (IAT = ⌊1/λ⌋ µs with
-λ = rate/10⁶, first arrival at one IAT) and clamped-Gaussian prompt/output lengths. Lengths
-cannot match Go's `math/rand` streams; they match in distribution. Randomness is keyed, not
-sequential: request i's lengths come from `fold_in(workload_key(seed), i)`, so they do not
-depend on how many requests are generated.
+λ = rate/10⁶, first arrival at one IAT) and clamped-Gaussian prompt/output lengths. The
+lengths come from BLIS's Go `math/rand` streams (`distribution_spec` → the BLIS-exact
+generator, blis-rng.md §4.1): `--seed` gives the requests `blis run --seed` gives.
 """
 
 from __future__ import annotations

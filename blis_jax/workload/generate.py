@@ -18,13 +18,11 @@ window's distributions. Each client is capped at 2·num_requests rows; the merge
 to num_requests. Generation is time-bounded internally (grow a time bound T until N merged
 arrivals fall before it), which gives exactly the rows of the "cap, merge, truncate" rule.
 
-**Randomness** (§4.14): typed JAX keys. Client i draws from
-`fold_in(fold_in(workload_key(seed), CLIENT_STREAM), i)`, with one sub-stream per purpose
-(arrivals, input, output, reason ratio, modality parts) and one key per request index inside
-each (see `arrivals.keyed_uniform`). Window w of a per-window client uses
-`fold_in(fold_in(client, WINDOW), w)`, round r ≥ 1 of a session `fold_in(fold_in(base, ROUND), r)`.
-Same (spec, seed) → byte-identical RequestSet; earlier requests do not change when more are
-generated; BLIS's Go `math/rand` streams are not reproduced (parity is statistical).
+**Randomness**: `generate_workload` generates exactly as BLIS does, from Go `math/rand`
+streams in BLIS's draw order (`go_generator.py`, blis-rng.md §4–§8): same (spec, seed) as a
+`blis run` → the same requests. The keyed-JAX sampling functions below (`_generate`,
+`_client_rows`, …) are the previous generator; only session plans without Go-drawn lengths
+still reach them (`sessions.py`).
 
 **Prefix groups** (§4.7): a group's prefix length is that of the first client using it (50 if
 unset); `input_len` = prefix + sampled input. **Cohorts** (§4.8) expand into `<id>-<j>`

@@ -247,7 +247,7 @@ def _client_rows(i: int, c: GoClient, rate: float, r: GoRand, prefixes: dict[str
         start = windows[0][0] + t if windows else t
         if start >= horizon or (windows and not _in_windows(start, windows)):
             return []
-        for row in _session(i, c, r, start, inp, out, plen):
+        for row in _session(i, c, r, start, inp, out, plen, last=True):
             if row.arrival >= horizon:
                 break
             if not windows or _in_windows(row.arrival, windows):
@@ -368,14 +368,19 @@ def _in_windows(t: int, windows) -> bool:
     return any(s <= t < e for s, e in windows)
 
 
-def _session(i: int, c: GoClient, r: GoRand, t0: int, inp, out, plen: int) -> list[Row]:
-    """§5.4: every round of one reasoning session, drawn from the client's stream."""
+def _session(i: int, c: GoClient, r: GoRand, t0: int, inp, out, plen: int, last: bool = False) -> list[Row]:
+    """§5.4: every round of one reasoning session, drawn from the client's stream. `last`:
+    nothing draws from the stream after this session (a single-session client)."""
     cs = c.spec
     mt = cs.multi_turn
     if mt.max_rounds <= 0:
         return []
     sid = f"sess_{r.int63()}"
     reason = _sampler(cs.reasoning.reason_ratio_distribution) if cs.reasoning is not None else None
+    if last and not inp.draws and not out.draws and (reason is None or not reason.draws):
+        # No later draw reads the stream: its token IDs cannot change anything (the golden
+        # experiments' sessions draw millions of them).
+        c = dataclasses.replace(c, draws_tokens=False)
     n, o = inp.sample(r), out.sample(r)
     rows, t, context = [], t0, 0
     for k in range(mt.max_rounds):
