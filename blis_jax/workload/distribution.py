@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blis_jax.errors import ConfigError
-from blis_jax.workload.requests import RequestSet, make_request_set
+from blis_jax.workload.requests import RequestSet
 
 # Fixed id of the workload stream (ASCII "wkld"): `fold_in(key(seed), WORKLOAD_STREAM)`
 # is independent of every other subsystem's stream derived from the same seed.

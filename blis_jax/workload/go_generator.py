@@ -32,7 +32,6 @@ from blis_jax.rng.go_rand import GoRand
 from blis_jax.rng.streams import WORKLOAD_GEN, PartitionedRNG, to_int64
 from blis_jax.workload.go_samplers import (
     LengthSampler,
-    Sampler,
     arrival_sampler,
     length_sampler,
     normalized_exponential,
