@@ -8,6 +8,7 @@ BLIS's values.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping
 
@@ -45,7 +46,8 @@ class LengthSampler:
     def sample(self, r: GoRand) -> int:  # pragma: no cover - interface
         raise NotImplementedError
 
-    __call__ = sample
+    def __call__(self, r: GoRand) -> int:
+        return self.sample(r)
 
 
 class Gaussian(LengthSampler):
@@ -128,8 +130,6 @@ class Empirical(LengthSampler):
             return 1
         if len(self.keys) == 1:
             return self.keys[0]
-        import bisect
-
         u = r.float64()
         return self.keys[min(bisect.bisect_left(self.cdf, u), len(self.keys) - 1)]
 
