@@ -116,3 +116,44 @@ if __name__ == "__main__":
         except Exception as e:  # noqa: BLE001 - a survey script
             p = [f"{type(e).__name__}: {e}"]
         print(c, "OK" if not p else p[:3], flush=True)
+
+
+TRACE_COLUMNS_C06 = (*GENERATED_COLUMNS, "first_chunk_time_us", "last_chunk_time_us", "status")
+
+
+@needs_blis_diff
+@pytest.mark.slow  # a full closed-loop simulation (Scout, TP 2)
+def test_c06_run_writes_blis_trace_with_its_follow_ups(tmp_path):
+    """`blis-jax run` with C06's generation arguments: all 600 rows of BLIS's trace.csv, the 580
+    follow-ups the simulation creates included (their arrivals, lengths, labels, chunk times)."""
+    case_dir = BLIS_DIFF / next(c for c in _cases() if c.startswith("C06"))
+    case = json.loads((case_dir / "case.json").read_text())
+    argv = ["run"] + [str(case_dir / a) if a == "workload.yaml" else a for a in case["generation_args"]]
+    argv[argv.index("--trace-output") + 1] = str(tmp_path / "trace")
+    assert cli.main(argv, stdout=io.StringIO(), stderr=io.StringIO()) == 0
+    ours = list(csv.DictReader((tmp_path / "trace.csv").open()))
+    ref = list(csv.DictReader((case_dir / "trace.csv").open()))
+    assert len(ours) == len(ref) == 600
+    key = lambda r: (r["session_id"], int(r["round_index"]))  # noqa: E731 - row order within a tick may differ
+    mine = {key(r): r for r in ours}
+    for r in ref:
+        o = mine[key(r)]
+        for col in TRACE_COLUMNS_C06:
+            if col != "request_id":
+                assert o[col] == r[col], (key(r), col, o[col], r[col])
+
+
+def test_spec_seed_wins_unless_seed_is_given(tmp_path):
+    """BLIS: a workload spec's `seed` is the workload seed unless `--seed` is given (blis-rng §4.1)."""
+    spec = tmp_path / "w.yaml"
+    spec.write_text("version: '2'\nseed: 7\naggregate_rate: 10\nnum_requests: 5\nclients:\n"
+                    "  - {id: c, rate_fraction: 1, arrival: {process: poisson},\n"
+                    "     input_distribution: {type: exponential, params: {mean: 100}},\n"
+                    "     output_distribution: {type: exponential, params: {mean: 50}}}\n")
+
+    def arrivals(*flags):
+        args = cli.build_parser().parse_args(["run", "--model", "meta-llama/Llama-3.1-8B-Instruct",
+                                              "--workload-spec", str(spec), *flags])
+        return cli.resolve_run_sessions(args, cli.Diagnostics(io.StringIO()))[1].arrival_us.tolist()
+
+    assert arrivals() == arrivals("--seed", "7") != arrivals("--seed", "42")
