@@ -1,11 +1,11 @@
 """Workload spec v2: loading, validation, rate allocation, generation, inference-perf, convert
 and compose (spec §1.5, §4.3–4.11, §4.14), checked against the blis-diff workload cases.
 
-BLIS generated the reference traces with Go's math/rand, so they are compared statistically:
-per-client counts within 4σ of the expected share (σ inflated by the arrival CV for bursty
-clients), per-client length means within max(10 %, 4 SE) of the trace's, and a two-sample KS
-test. Everything RNG-independent (labels, prefix groups, constant lengths, counts of
-exact-count samplers) is compared exactly.
+The generator now reproduces BLIS's traces row for row (test_go_generation.py); the
+statistical comparisons here (per-client counts within 4σ of the expected share, length means
+within max(10 %, 4 SE), two-sample KS) date from the keyed generator and still hold.
+Everything RNG-independent (labels, prefix groups, constant lengths, counts of exact-count
+samplers) is compared exactly.
 """
 
 from __future__ import annotations
