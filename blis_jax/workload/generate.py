@@ -319,7 +319,7 @@ def cohort_lifecycle(cohort: CohortSpec) -> LifecycleSpec | None:
         for h in range(24):
             m = (1 + math.cos(2 * math.pi * (h - d.peak_hour) / 24)) / 2 * (1 - 1 / d.peak_to_trough_ratio) \
                 + 1 / d.peak_to_trough_ratio
-            active = max(1, round(DIURNAL_HOUR_US * m))
+            active = max(1, min(int(DIURNAL_HOUR_US * m), DIURNAL_HOUR_US))   # BLIS truncates (blis-rng §9.1)
             windows.append(WindowSpec(h * DIURNAL_HOUR_US, h * DIURNAL_HOUR_US + active))
         return LifecycleSpec(tuple(windows))
     if cohort.spike is not None:
