@@ -58,6 +58,7 @@ _SQRT2_HALF = 1.41421356237309504880168872420969808 / 2
 TOKEN_VOCAB = 128000           # BLIS token IDs: Intn(128000)
 # Int31n(128000) rejects Int31 values above this (2³¹−1 − 2³¹ mod 128000).
 _TOKEN_MAX = _INT32_MAX - (1 << 31) % TOKEN_VOCAB
+_TOKEN_REJECT_SHIFTED = np.uint64((_TOKEN_MAX + 1) << 33)
 
 
 def go_log(x: float) -> float:
@@ -165,8 +166,8 @@ class GoRand:
         new = _extend(self._tail, n)
         self._tail = new[-LEN:] if n >= LEN else np.concatenate([self._tail, new])[-LEN:]
         self._hist = np.concatenate([self._hist, self._arr[max(0, pos - LEN):pos]])[-LEN:]
-        int31 = (new >> np.uint64(32)) & np.uint64(_INT32_MAX)
-        bad_new = np.flatnonzero(int31 > np.uint64(_TOKEN_MAX))
+        # Int31 > _TOKEN_MAX ⇔ the low 63 bits ≥ (_TOKEN_MAX + 1)·2³² (shifting left drops bit 63)
+        bad_new = np.flatnonzero((new << np.uint64(1)) >= _TOKEN_REJECT_SHIFTED)
         # Positions of words an Intn(128000) draw would reject (blis-rng.md §3.1).
         start = bisect.bisect_left(self._bad, pos)
         self._bad = [b - pos for b in self._bad[start:]] + (bad_new + left.shape[0]).tolist()
