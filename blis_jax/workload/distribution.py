@@ -12,18 +12,11 @@ import dataclasses
 import functools
 import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from blis_jax.errors import ConfigError
 from blis_jax.workload.requests import RequestSet
 
-# Fixed id of the workload stream (ASCII "wkld"): `fold_in(key(seed), WORKLOAD_STREAM)`
-# is independent of every other subsystem's stream derived from the same seed.
-WORKLOAD_STREAM = 0x776B6C64
-# Per-request sub-streams, so input and output draws never share a key.
-_INPUT_DRAW, _OUTPUT_DRAW = 0, 1
 
 DEFAULT_TIMEOUT_S = 300.0
 SHARED_PREFIX_GROUP = "shared"
@@ -116,39 +109,6 @@ def arrival_times_us(rate: float, num_requests: int, horizon_us: int | None = No
         raise ConfigError(f"--horizon: {n} requests would be generated (limit {MAX_GENERATED_REQUESTS}); "
                           "set --num-requests or a shorter horizon")
     return np.arange(1, n + 1, dtype=np.int64) * np.int64(iat)
-
-
-def workload_key(seed: int) -> jax.Array:
-    """Typed key of the workload subsystem for a simulation seed."""
-    return jax.random.fold_in(jax.random.key(seed), WORKLOAD_STREAM)
-
-
-def sample_gaussian_lengths(key: jax.Array, dist: GaussianLength, n: int, draw: int = 0) -> np.ndarray:
-    """Lengths of requests 0..n-1: request i uses fold_in(fold_in(key, i), draw)."""
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    z = np.asarray(_standard_normals(key, jnp.uint32(draw), _bucket(n)))[:n]
-    return clamp_round(z * float(dist.std) + float(dist.mean), dist.min, dist.max)
-
-
-def _bucket(n: int) -> int:
-    # Padding to a power of two (≥ 1024) keeps one compiled sampler per size class; the
-    # padded tail is discarded and, being keyed by index, cannot change the first n draws.
-    return max(1024, 1 << (n - 1).bit_length())
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _standard_normals(key: jax.Array, draw: jax.Array, size: int) -> jax.Array:
-    ids = jnp.arange(size, dtype=jnp.uint32)
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(key, i), draw))(ids)
-    return jax.vmap(lambda k: jax.random.normal(k, dtype=jnp.float64))(keys)
-
-
-def clamp_round(x: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """round(clamp(x, lo, hi)) with Go's math.Round (half away from zero), at least 1."""
-    c = np.clip(x, lo, hi)
-    rounded = np.sign(c) * np.floor(np.abs(c) + 0.5)
-    return np.maximum(rounded, 1).astype(np.int64)
 
 
 def generate_distribution(workload: DistributionWorkload, seed: int) -> RequestSet:
