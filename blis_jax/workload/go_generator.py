@@ -73,7 +73,7 @@ class GoClient:
         return bool(c.closed_loop) if c.closed_loop is not None else c.multi_turn is not None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Row:
     """A generated request (fields of BLIS's trace that generation fixes)."""
 
@@ -382,16 +382,20 @@ def _session(i: int, c: GoClient, r: GoRand, t0: int, inp, out, plen: int, last:
         c = dataclasses.replace(c, draws_tokens=False)
     n, o = inp.sample(r), out.sample(r)
     rows, t, context = [], t0, 0
+    group, think, accumulate, tokens = cs.prefix_group, mt.think_time_us, mt.context_growth == "accumulate", \
+        c.draws_tokens
+    timeout = SESSION_TIMEOUT_US if c.timeout is None else c.timeout      # deadline(t, timeout, True)
     for k in range(mt.max_rounds):
         if k:
             n, o = inp.sample(r), out.sample(r)
-        _skip(c, r, n, o)
+        if tokens:
+            r.skip_tokens(n)
+            r.skip_tokens(o)
         ratio = min(1.0, max(0.0, reason.sample(r) / 100)) if reason is not None else 0.0
-        rows.append(Row(t, i, context + n, o, plen, cs.prefix_group, False,
-                        deadline(t, c.timeout, True), session=sid, round_index=k, reason=ratio))
-        if mt.context_growth == "accumulate":
+        rows.append(Row(t, i, context + n, o, plen, group, False, t + timeout if timeout else 0, sid, k, ratio))
+        if accumulate:
             context += n + o
-        t = t + mt.think_time_us + o
+        t = t + think + o
     return rows
 
 
