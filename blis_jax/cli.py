@@ -136,10 +136,14 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(self.prog, message)
 
 
+class DefaultSeed(int):
+    """`--seed` when not given: a workload spec's own `seed` then wins (BLIS, blis-rng §4.1)."""
+
+
 def _add_shared_flags(p: argparse.ArgumentParser) -> None:
     """Simulation-config flags that BLIS registers on both `run` and `replay`."""
     g = p.add_argument_group("simulation")
-    g.add_argument("--seed", type=int, default=42, help="simulation seed (default 42)")
+    g.add_argument("--seed", type=int, default=DefaultSeed(42), help="simulation seed (default 42)")
     g.add_argument("--horizon", type=int, default=None, metavar="US",
                    help="simulation horizon in µs; events after it are not executed (default: none "
                         "for run, 2 × the latest injection time for replay)")
@@ -593,7 +597,7 @@ def cluster_config(args) -> ClusterConfig:
         tier_shed_threshold=args.tier_shed_threshold, tier_shed_min_priority=args.tier_shed_min_priority,
         queue_depth_threshold=args.queue_depth_threshold, kv_cache_util_threshold=args.kv_cache_util_threshold,
         snapshot_refresh_interval_us=args.snapshot_refresh_interval, cache_signal_delay_us=args.cache_signal_delay,
-        admission_latency_us=args.admission_latency, routing_latency_us=args.routing_latency, seed=args.seed,
+        admission_latency_us=args.admission_latency, routing_latency_us=args.routing_latency, seed=int(args.seed),
         prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
         pd_decider=args.pd_decider, pd_prefix_threshold=args.pd_prefix_threshold,
         pd_transfer_bandwidth=args.pd_transfer_bandwidth, pd_transfer_base_latency=args.pd_transfer_base_latency,
@@ -899,7 +903,7 @@ def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
         out, views = simulate(scenario, requests, args, stderr, with_views=True)
     else:
         requests, out = simulate(scenario, requests, args, stderr, sessions)
-    header = TraceHeader(mode="generated", workload_seed=args.seed)
+    header = TraceHeader(mode="generated", workload_seed=int(args.seed))
     write_outputs(args, requests, out, header, stdout, views=views)
     return 0
 
@@ -925,7 +929,8 @@ def resolve_run_sessions(args, diag: Diagnostics):
         if args.timeout is not None and args.timeout == 0:
             raise ConfigError("--timeout 0 is not allowed: give seconds > 0, or a negative value to disable")
         scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
-        generated = generate_workload(args.workload_spec, args.seed, num_requests=args.num_requests,
+        seed = None if isinstance(args.seed, DefaultSeed) else args.seed
+        generated = generate_workload(args.workload_spec, seed, num_requests=args.num_requests,
                                       horizon_us=args.horizon, timeout_s=args.timeout, sessions="first_round")
         requests = generated.requests
         if generated.sessions:

@@ -1,4 +1,6 @@
-"""Arrival processes (spec §4.4) and length distributions (§4.5): moments and KS tests.
+"""Arrival processes (spec §4.4) and length distributions (§4.5): moments and KS tests of the
+keyed-JAX samplers (the spec validation `generate` still uses; generation itself now runs on
+BLIS's Go streams, workload/go_samplers.py, tested in test_go_samplers.py).
 
 Every sampler draws 10k values from a fixed key, so the tests are deterministic; the
 tolerances are still statistical (4 standard errors, KS p > 10⁻³) so that a wrong law fails

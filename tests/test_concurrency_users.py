@@ -98,9 +98,10 @@ def test_users_run_closed_loop_until_num_requests():
     assert len(final) == 24 and (out.status == COMPLETED).all()
     assert sorted(final.request_id.tolist()) == list(range(24)) and (np.diff(final.arrival_us) >= 0).all()
     users = _check_chains(final, out)
-    assert sorted(users) == [f"session-0-{u}" for u in range(4)]
+    # BLIS names users concurrency_<client>_user_<u> (blis-rng §6.2)
+    assert sorted(users) == [f"concurrency_u_user_{u}" for u in range(4)]
     # user u's first request at u·think/N
-    assert [int(final.arrival_us[users[f"session-0-{u}"][0]]) for u in range(4)] == [0, 5000, 10000, 15000]
+    assert [int(final.arrival_us[users[f"concurrency_u_user_{u}"][0]]) for u in range(4)] == [0, 5000, 10000, 15000]
     assert sum(len(r) for r in users.values()) == 24 and min(len(r) for r in users.values()) >= 2
     assert _max_in_flight(final, out) == 4
     # the run ends at the last completion (not at a follow-up row's placeholder arrival)
@@ -169,8 +170,8 @@ def test_concurrency_clients_share_the_budget():
     users = _check_chains(final, out, {"a": 10_000, "b": 30_000})
     for index, client, think, n in ((0, "a", 10_000, 2), (1, "b", 30_000, 3)):
         mine = {u: rows for u, rows in users.items() if final.client_id[rows[0]] == client}
-        assert sorted(mine) == [f"session-{index}-{u}" for u in range(n)]
-        assert [int(final.arrival_us[mine[f"session-{index}-{u}"][0]]) for u in range(n)] == \
+        assert sorted(mine) == [f"concurrency_{client}_user_{u}" for u in range(n)]
+        assert [int(final.arrival_us[mine[f"concurrency_{client}_user_{u}"][0]]) for u in range(n)] == \
             [u * think // n for u in range(n)]
         assert _max_in_flight(final, out, final.client_id == client) <= n
     # one budget for both: 15 follow-ups in all, however they split

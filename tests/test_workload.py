@@ -11,18 +11,17 @@ import numpy as np
 import pytest
 
 from blis_jax.errors import ConfigError
+from blis_jax.rng.go_rand import GoRand, go_round
 from blis_jax.workload.distribution import (
     OUTPUT_DEFAULT,
     PROMPT_DEFAULT,
     DistributionWorkload,
     GaussianLength,
     arrival_times_us,
-    clamp_round,
     constant_iat_us,
     generate_distribution,
-    sample_gaussian_lengths,
-    workload_key,
 )
+from blis_jax.workload.go_samplers import length_sampler
 from blis_jax.workload.presets import PRESETS, generate_preset, preset_workload
 from blis_jax.workload.requests import RequestSet, make_request_set, slo_priority
 
@@ -80,10 +79,12 @@ def test_iat_floor_semantics():
 
 
 def test_horizon_bounds_generation():
-    assert arrival_times_us(9, 600, horizon_us=333333).tolist() == [111111, 222222, 333333]
+    # BLIS generates arrivals strictly before the horizon (blis-rng.md §5.3 step 3).
+    assert arrival_times_us(9, 600, horizon_us=333334).tolist() == [111111, 222222, 333333]
+    assert arrival_times_us(9, 600, horizon_us=333333).tolist() == [111111, 222222]
     assert arrival_times_us(9, 2, horizon_us=10**9).tolist() == [111111, 222222]
     horizon_only = generate_distribution(DistributionWorkload(rate=100, num_requests=0, horizon_us=1_000_000), seed=1)
-    assert len(horizon_only) == 100 and horizon_only.arrival_us[-1] == 1_000_000
+    assert len(horizon_only) == 99 and horizon_only.arrival_us[-1] == 990_000
 
 
 # ------------------------------------------------------------------------------- lengths
@@ -102,12 +103,18 @@ def _clamped_gaussian_moments(d: GaussianLength) -> tuple[float, float]:
     return mean, float(math.sqrt((p * (ks - mean) ** 2).sum()))
 
 
+def _gaussian_lengths(seed: int, d: GaussianLength, n: int) -> np.ndarray:
+    """n lengths from BLIS's Gaussian sampler on one Go stream (blis-rng §3.2)."""
+    sampler = length_sampler("gaussian", {"mean": d.mean, "std_dev": d.std, "min": d.min, "max": d.max})
+    r = GoRand(seed)
+    return np.array([sampler(r) for _ in range(n)], dtype=np.int64)
+
+
 @pytest.mark.parametrize("dist", [PROMPT_DEFAULT, PRESETS["chatbot"].output], ids=["default", "chatbot-out"])
 def test_clamped_gaussian_statistics(dist: GaussianLength):
     n = 10_000
-    lengths = sample_gaussian_lengths(workload_key(7), dist, n)
+    lengths = _gaussian_lengths(7, dist, n)
     mean, std = _clamped_gaussian_moments(dist)
-    assert lengths.dtype == np.int64
     assert lengths.min() >= dist.min and lengths.max() <= dist.max
     assert abs(lengths.mean() - mean) < 4 * std / math.sqrt(n)
     assert abs(lengths.std() - std) < 0.03 * std
@@ -115,14 +122,14 @@ def test_clamped_gaussian_statistics(dist: GaussianLength):
 
 def test_clamping_creates_point_masses():
     tight = GaussianLength(mean=100, std=1000, min=50, max=150)
-    lengths = sample_gaussian_lengths(workload_key(3), tight, 2000)
+    lengths = _gaussian_lengths(3, tight, 2000)
     assert set(np.unique(lengths)) <= set(range(50, 151))
     # |N(0,1)| > 0.05 with probability ≈ 0.96: almost everything lands on a bound.
     assert np.mean((lengths == 50) | (lengths == 150)) > 0.9
 
 
-def test_clamp_round_is_half_away_from_zero_and_at_least_one():
-    assert clamp_round(np.array([2.5, 3.5, 0.2, 10.49, 99.0]), 0, 50).tolist() == [3, 4, 1, 10, 50]
+def test_go_round_is_half_away_from_zero():
+    assert [go_round(x) for x in (2.5, 3.5, -2.5, 0.2, 10.49)] == [3, 4, -3, 0, 10]
 
 
 def test_same_seed_is_byte_identical_and_seeds_differ():
@@ -148,7 +155,10 @@ def test_prefix_tokens_make_shared_group():
     assert (r.prefix_group == 0).all() and (r.prefix_len == 64).all()
     assert (r.input_len >= 64 + PROMPT_DEFAULT.min).all()
     plain = generate_distribution(DistributionWorkload(rate=5, num_requests=100), 42)
-    np.testing.assert_array_equal(r.input_len, plain.input_len + 64)   # same draws, prefix added
+    # BLIS draws the 64 prefix token IDs from the workload-gen stream before the client seed,
+    # so every length changes (blis-rng.md §4.1), while arrivals do not.
+    assert (r.input_len - 64 != plain.input_len).any()
+    np.testing.assert_array_equal(r.arrival_us, plain.arrival_us)
     assert (plain.prefix_group == -1).all() and (plain.prefix_len == 0).all()
 
 

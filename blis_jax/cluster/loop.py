@@ -30,7 +30,7 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float64, Int32, Int64, PRNGKeyArray
+from jaxtyping import Array, Bool, Float64, Int32, Int64
 
 from blis_jax import latency
 from blis_jax.cluster import admission as adm
@@ -46,6 +46,7 @@ from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.state import EngineState, RequestArrays, init_state
+from blis_jax.rng.go_jax import GoStream
 
 PREFIX_SCORERS = ("precise-prefix-cache", "no-hit-lru")  # read the instances' prefix caches
 LIVE_SCORERS = ("load-balance", "active-requests")  # read the always-current in-flight counts
@@ -127,7 +128,10 @@ class ClusterState(eqx.Module):
     transfers: xfer.Transfers
     gateway: gw.GatewayState | None  # flow control: the gateway queue (None without)
     exits_read: Int64[Array, " I"]  # pd: completions of each instance turned into transfers
-    key: PRNGKeyArray  # routing tie-breaks: fold_in(key, decision index)
+    # routing tie-breaks: BLIS's Go streams `router`, `prefill-router`, `decode-router` (blis-rng §10)
+    router: GoStream
+    prefill_router: GoStream
+    decode_router: GoStream
     handled_by: Int32[Array, " N"]  # instance serving each request (pd: its decode instance); -1 none
     rejected: Bool[Array, " N"]  # refused by admission
     routing_rejected: Bool[Array, " N"]  # no routable instance
@@ -200,7 +204,7 @@ def _route_request(cs: ClusterState, cd: ClusterDims, req: RequestArrays, r) -> 
 
 
 def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req: RequestArrays, model,
-                 admission: adm.AbstractAdmission, profiles, key: PRNGKeyArray,
+                 admission: adm.AbstractAdmission, profiles, streams: tuple[GoStream, GoStream, GoStream],
                  snapshot_interval_us, cache_signal_delay_us) -> ClusterState:
     """`profiles` = (routing profile, prefill pool profile, decode pool profile), each or None."""
     dims, i = cd.engine, cd.num_instances
@@ -226,7 +230,7 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         transfers=xfer.empty(cd.transfers, n),
         gateway=gw.empty(cd.gateway_slots, n, cd.gateway_bands) if cd.flow_control else None,
         exits_read=jnp.zeros(i, jnp.int64),
-        key=key,
+        router=streams[0], prefill_router=streams[1], decode_router=streams[2],
         handled_by=jnp.full(n, -1, jnp.int32),
         rejected=jnp.zeros(n, bool),
         routing_rejected=jnp.zeros(n, bool),
@@ -297,17 +301,19 @@ def next_cluster_time(cs: ClusterState, cparams, params, req):
     return t
 
 
-def _pick(cd: ClusterDims, policy_profile, rr, rs: signals.RouterState, route_req, key):
-    """One routing decision over `rs.active` with a weighted profile, else the policy."""
+def _pick(cd: ClusterDims, policy_profile, rr, rs: signals.RouterState, route_req, stream: GoStream):
+    """One routing decision over `rs.active` with a weighted profile, else the policy:
+    (profile, round-robin counter, target, stream)."""
     if policy_profile is not None:
-        profile, target, _ = routing.weighted(policy_profile, rs, route_req, key)
-        return profile, rr, target
+        profile, target, stream = routing.weighted_go(policy_profile, rs, route_req, stream)
+        return profile, rr, target, stream
     if cd.routing_policy == "least-loaded":
-        return None, rr, routing.least_loaded(rs, key)
+        stream, target = routing.least_loaded_go(rs, stream)
+        return None, rr, target, stream
     if cd.routing_policy == "always-busiest":
-        return None, rr, routing.always_busiest(rs)
+        return None, rr, routing.always_busiest(rs), stream
     rr, target = routing.round_robin(rr, rs.active)
-    return None, rr, target
+    return None, rr, target, stream
 
 
 def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, r, t_admit,
@@ -334,7 +340,8 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     rr = cs.round_robin
     if not cd.pd:
         rs = signals.router_state(snapshot, in_flight, cparams.active)
-        profile, rr, target = _pick(cd, cs.profile, rr, rs, route_req, jax.random.fold_in(cs.key, r))
+        profile, rr, target, router = _pick(cd, cs.profile, rr, rs, route_req, cs.router)
+        prefill_router, decode_router = cs.prefill_router, cs.decode_router
         profiles = (profile if cs.profile is not None else None, cs.prefill_profile, cs.decode_profile)
         disaggregated, prefill = jnp.asarray(False), jnp.asarray(-1, jnp.int64)
     else:
@@ -342,8 +349,12 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         # choices advance one shared round-robin counter when the pools have no scorers.
         rs = signals.router_state(snapshot, in_flight, cparams.active & cparams.decode_role)
         decode_base = cs.decode_profile if cs.decode_profile is not None else cs.profile
-        new_decode, rr, target = _pick(cd, decode_base, rr, rs, route_req,
-                                       jax.random.fold_in(jax.random.fold_in(cs.key, 1), r))
+        # A pool with its own scorers draws from its own stream, else both use `router`.
+        own_decode = cs.decode_profile is not None
+        new_decode, rr, target, drawn = _pick(cd, decode_base, rr, rs, route_req,
+                                              cs.decode_router if own_decode else cs.router)
+        router = cs.router if own_decode else drawn
+        decode_router = drawn if own_decode else cs.decode_router
         cached = route_req.cached_prefix_blocks[jnp.maximum(target, 0)]
         disaggregated = (target >= 0) & pd_rules.disaggregate(cparams.pd, req.input_len[r], cached,
                                                                cd.engine.block_size)
@@ -353,11 +364,17 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
                                 signals.refresh(snapshot, live, t_route, cparams.active & cparams.prefill_role),
                                 snapshot)
         rs_p = signals.router_state(snapshot, in_flight, cparams.active & cparams.prefill_role)
-        new_prefill, rr_p, prefill = _pick(cd, prefill_base, rr, rs_p, route_req,
-                                           jax.random.fold_in(jax.random.fold_in(cs.key, 2), r))
+        own_prefill = cs.prefill_profile is not None
+        new_prefill, rr_p, prefill, drawn = _pick(cd, prefill_base, rr, rs_p, route_req,
+                                                  cs.prefill_router if own_prefill else router)
         when = lambda flag, new, old: (None if old is None else  # noqa: E731
                                        jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old))
         rr = when(disaggregated, rr_p, rr)
+        # The prefill pick (and its draw) happens only for a disaggregated request.
+        if own_prefill:
+            prefill_router = when(disaggregated, drawn, cs.prefill_router)
+        else:
+            prefill_router, router = cs.prefill_router, when(disaggregated, drawn, router)
         profiles = (when(disaggregated, new_prefill, shared) if cs.prefill_profile is None else shared,
                     when(disaggregated, new_prefill, cs.prefill_profile),
                     new_decode if cs.decode_profile is not None else None)
@@ -370,6 +387,9 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         snapshot=keep(snapshot, cs.snapshot),
         cache_signal=keep(cache_signal, cs.cache_signal),
         round_robin=keep(rr, cs.round_robin),
+        router=keep(router, cs.router),
+        prefill_router=keep(prefill_router, cs.prefill_router),
+        decode_router=keep(decode_router, cs.decode_router),
         profile=keep(profiles[0], cs.profile) if cs.profile is not None else None,
         prefill_profile=keep(profiles[1], cs.prefill_profile) if cs.prefill_profile is not None else None,
         decode_profile=keep(profiles[2], cs.decode_profile) if cs.decode_profile is not None else None,

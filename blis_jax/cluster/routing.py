@@ -14,10 +14,10 @@ before indexing with them (-1 would read the last slot).
 * `weighted`: argmax of the weighted scorer sum (scorers.py); ties uniformly at random; the
   stateful scorers then observe the chosen slot.
 
-Random tie-breaks take a `jax.random` key (derive one per decision, e.g. `fold_in(routing_key,
-decision_index)`). BLIS draws from Go's `math/rand`, which cannot be reproduced, so only the
-rule (uniform among the tied) is matched. `key=None` breaks ties by lowest index instead
-(deterministic; not BLIS behaviour, useful for tests and debugging).
+Random tie-breaks: the cluster loop draws them as BLIS does, `Intn(|tied|)` from the router's
+Go `math/rand` stream carried in its state, only when more than one slot ties (`pick_go`,
+blis-rng.md §10.1). `pick` with a `jax.random` key draws uniformly among the tied; `key=None`
+breaks ties by lowest index (deterministic; not BLIS behaviour, for tests and debugging).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from jaxtyping import Array, Bool, Float64, Int64, PRNGKeyArray
 from blis_jax.cluster import scorers as sc
 from blis_jax.cluster.signals import RouterState, effective_load
 from blis_jax.errors import ConfigError
+from blis_jax.rng.go_jax import GoStream, intn_if
 
 ROUTING_POLICIES = ("round-robin", "least-loaded", "weighted", "always-busiest")
 
@@ -50,6 +51,25 @@ def pick(eligible: Bool[Array, " I"], key: PRNGKeyArray | None = None) -> Int64[
     # The k-th eligible slot in index order.
     hit = eligible & (jnp.cumsum(eligible) - 1 == k)
     return jnp.where(n > 0, jnp.argmax(hit), -1).astype(jnp.int64)
+
+
+def pick_go(eligible: Bool[Array, " I"], stream: GoStream) -> tuple[GoStream, Int64[Array, ""]]:
+    """BLIS's tie-break: the `Intn(n)`-th of the n eligible slots, drawn from the Go stream only
+    when n > 1; -1 if none."""
+    n = jnp.sum(eligible).astype(jnp.int64)
+    stream, k = intn_if(stream, n, n > 1)
+    hit = eligible & (jnp.cumsum(eligible) - 1 == k)
+    return stream, jnp.where(n > 0, jnp.argmax(hit), -1).astype(jnp.int64)
+
+
+def argmax_ties_go(values: Array, active: Bool[Array, " I"], stream: GoStream) -> tuple[GoStream, Int64[Array, ""]]:
+    """`argmax_ties` with BLIS's Go-stream tie-break."""
+    return pick_go(active & (values == _best(values, active)), stream)
+
+
+def _best(values: Array, active: Bool[Array, " I"]) -> Array:
+    return jnp.max(jnp.where(active, values, -jnp.inf if jnp.issubdtype(values.dtype, jnp.floating)
+                             else jnp.iinfo(values.dtype).min))
 
 
 def argmax_ties(values: Array, active: Bool[Array, " I"], key: PRNGKeyArray | None = None) -> Int64[Array, ""]:
@@ -90,3 +110,13 @@ def weighted(
     total = sc.weighted_scores(profile, rs, req)
     target = argmax_ties(total, rs.active, key)
     return sc.observe(profile, rs, req, target), target, total
+
+
+def weighted_go(profile: sc.ScorerProfile, rs: RouterState, req: sc.RouteRequest, stream: GoStream):
+    """`weighted` with BLIS's Go-stream tie-break: (profile, target, stream)."""
+    stream, target = argmax_ties_go(sc.weighted_scores(profile, rs, req), rs.active, stream)
+    return sc.observe(profile, rs, req, target), target, stream
+
+
+def least_loaded_go(rs: RouterState, stream: GoStream) -> tuple[GoStream, Int64[Array, ""]]:
+    return argmax_ties_go(-effective_load(rs), rs.active, stream)

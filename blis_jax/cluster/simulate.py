@@ -32,6 +32,8 @@ from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.params import EngineParams
 from blis_jax.engine.simulate import request_arrays, to_output
 from blis_jax.errors import ConfigError
+from blis_jax.rng.go_jax import go_stream
+from blis_jax.rng.streams import DECODE_ROUTER, PREFILL_ROUTER, ROUTER, subsystem_seed
 from blis_jax.workload.requests import RequestSet
 
 MAX_INSTANCES = 1024
@@ -240,9 +242,10 @@ def simulate_cluster_views(
             gateway=gw.padded(gateway, edims.num_requests) if gateway is not None else None,
         )
         req = request_arrays(requests, edims)
-        key = jax.random.fold_in(jax.random.key(cluster.seed), 0x5217)  # the routing subsystem's stream
+        streams = tuple(go_stream(subsystem_seed(cluster.seed, name))   # blis-rng §2: seed XOR fnv1a64(name)
+                        for name in (ROUTER, PREFILL_ROUTER, DECODE_ROUTER))
         cs = _init(cd, params, cparams, req, deployed.model, cluster.admission(),
-                   (profile, prefill_profile, decode_profile), key, cluster.snapshot_refresh_interval_us,
+                   (profile, prefill_profile, decode_profile), streams, cluster.snapshot_refresh_interval_us,
                    cluster.cache_signal_delay_us)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         inputs = jax.device_put((params, cparams, req, deployed.model))

@@ -135,4 +135,4 @@ def _write_run_outputs(args, base: S.Simulated) -> None:
     if args.results_path:
         write_results_file(args.results_path, base.out, base.requests)
     if args.trace_output:
-        write_trace(args.trace_output, TraceHeader(mode="generated", workload_seed=args.seed), base.requests, base.out)
+        write_trace(args.trace_output, TraceHeader(mode="generated", workload_seed=int(args.seed)), base.requests, base.out)

@@ -1,10 +1,9 @@
 """CLI distribution workload (`blis run --workload distribution`, spec §4.1–4.2, §4.5).
 
 BLIS synthesises one client with *constant* arrivals at `--rate` (IAT = ⌊1/λ⌋ µs with
-λ = rate/10⁶, first arrival at one IAT) and clamped-Gaussian prompt/output lengths. Lengths
-cannot match Go's `math/rand` streams; they match in distribution. Randomness is keyed, not
-sequential: request i's lengths come from `fold_in(workload_key(seed), i)`, so they do not
-depend on how many requests are generated.
+λ = rate/10⁶, first arrival at one IAT) and clamped-Gaussian prompt/output lengths. The
+lengths come from BLIS's Go `math/rand` streams (`distribution_spec` → the BLIS-exact
+generator, blis-rng.md §4.1): `--seed` gives the requests `blis run --seed` gives.
 """
 
 from __future__ import annotations
@@ -13,18 +12,11 @@ import dataclasses
 import functools
 import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from blis_jax.errors import ConfigError
-from blis_jax.workload.requests import RequestSet, make_request_set
+from blis_jax.workload.requests import RequestSet
 
-# Fixed id of the workload stream (ASCII "wkld"): `fold_in(key(seed), WORKLOAD_STREAM)`
-# is independent of every other subsystem's stream derived from the same seed.
-WORKLOAD_STREAM = 0x776B6C64
-# Per-request sub-streams, so input and output draws never share a key.
-_INPUT_DRAW, _OUTPUT_DRAW = 0, 1
 
 DEFAULT_TIMEOUT_S = 300.0
 SHARED_PREFIX_GROUP = "shared"
@@ -110,46 +102,13 @@ def arrival_times_us(rate: float, num_requests: int, horizon_us: int | None = No
     iat = constant_iat_us(rate)
     n = num_requests
     if horizon_us is not None:
-        # Arrivals at or before the horizon: an event exactly at the horizon still runs.
-        by_horizon = horizon_us // iat
+        # BLIS's generator stops at the first arrival at or past the horizon (blis-rng §5.3).
+        by_horizon = (horizon_us - 1) // iat
         n = by_horizon if n == 0 else min(n, by_horizon)
     if n > MAX_GENERATED_REQUESTS:
         raise ConfigError(f"--horizon: {n} requests would be generated (limit {MAX_GENERATED_REQUESTS}); "
                           "set --num-requests or a shorter horizon")
     return np.arange(1, n + 1, dtype=np.int64) * np.int64(iat)
-
-
-def workload_key(seed: int) -> jax.Array:
-    """Typed key of the workload subsystem for a simulation seed."""
-    return jax.random.fold_in(jax.random.key(seed), WORKLOAD_STREAM)
-
-
-def sample_gaussian_lengths(key: jax.Array, dist: GaussianLength, n: int, draw: int = 0) -> np.ndarray:
-    """Lengths of requests 0..n-1: request i uses fold_in(fold_in(key, i), draw)."""
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    z = np.asarray(_standard_normals(key, jnp.uint32(draw), _bucket(n)))[:n]
-    return clamp_round(z * float(dist.std) + float(dist.mean), dist.min, dist.max)
-
-
-def _bucket(n: int) -> int:
-    # Padding to a power of two (≥ 1024) keeps one compiled sampler per size class; the
-    # padded tail is discarded and, being keyed by index, cannot change the first n draws.
-    return max(1024, 1 << (n - 1).bit_length())
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _standard_normals(key: jax.Array, draw: jax.Array, size: int) -> jax.Array:
-    ids = jnp.arange(size, dtype=jnp.uint32)
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(key, i), draw))(ids)
-    return jax.vmap(lambda k: jax.random.normal(k, dtype=jnp.float64))(keys)
-
-
-def clamp_round(x: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """round(clamp(x, lo, hi)) with Go's math.Round (half away from zero), at least 1."""
-    c = np.clip(x, lo, hi)
-    rounded = np.sign(c) * np.floor(np.abs(c) + 0.5)
-    return np.maximum(rounded, 1).astype(np.int64)
 
 
 def generate_distribution(workload: DistributionWorkload, seed: int) -> RequestSet:
@@ -158,28 +117,32 @@ def generate_distribution(workload: DistributionWorkload, seed: int) -> RequestS
     return _generate_distribution(workload, int(seed))
 
 
+def distribution_spec(workload: DistributionWorkload):
+    """BLIS's synthesized spec of the flags (blis-rng.md §4.1): one client with constant
+    arrivals at `rate` and clamped Gaussian lengths (prefix group "shared" with --prefix-tokens)."""
+    from types import MappingProxyType
+
+    from blis_jax.workload.spec import ArrivalSpec, ClientSpec, DistSpec, WorkloadSpec
+
+    def gaussian(d: GaussianLength) -> DistSpec:
+        return DistSpec("gaussian", MappingProxyType({"mean": float(d.mean), "std_dev": float(d.std),
+                                                      "min": float(d.min), "max": float(d.max)}))
+
+    grouped = workload.prefix_tokens > 0
+    client = ClientSpec(id=workload.client_id, rate_fraction=1.0, arrival=ArrivalSpec("constant"),
+                        input_distribution=gaussian(workload.prompt), output_distribution=gaussian(workload.output),
+                        prefix_group=SHARED_PREFIX_GROUP if grouped else "",
+                        prefix_length=workload.prefix_tokens if grouped else None)
+    return WorkloadSpec(aggregate_rate=float(workload.rate), num_requests=workload.num_requests, clients=(client,))
+
+
 @functools.lru_cache(maxsize=64)
 def _generate_distribution(workload: DistributionWorkload, seed: int) -> RequestSet:
-    arrivals = arrival_times_us(workload.rate, workload.num_requests, workload.horizon_us)
-    n = arrivals.shape[0]
-    key = workload_key(seed)
-    prompt = sample_gaussian_lengths(key, workload.prompt, n, _INPUT_DRAW)
-    output = sample_gaussian_lengths(key, workload.output, n, _OUTPUT_DRAW)
-    if workload.timeout_s > 0:
-        deadlines = arrivals + np.int64(round(workload.timeout_s * 1e6))
-    else:
-        deadlines = np.zeros(n, dtype=np.int64)
-    grouped = workload.prefix_tokens > 0
-    return make_request_set(
-        request_id=np.arange(n, dtype=np.int64),
-        arrival_us=arrivals,
-        input_len=prompt + workload.prefix_tokens,
-        output_len=output,
-        deadline_us=deadlines,
-        prefix_group=[SHARED_PREFIX_GROUP if grouped else ""] * n,
-        prefix_len=np.full(n, workload.prefix_tokens, dtype=np.int64),
-        client_id=[workload.client_id] * n,
-    )
+    from blis_jax.workload.generate import generate_workload
+
+    arrival_times_us(workload.rate, workload.num_requests, workload.horizon_us)   # size guard
+    return generate_workload(distribution_spec(workload), seed, num_requests=workload.num_requests,
+                             horizon_us=workload.horizon_us, timeout_s=workload.timeout_s, synthesized=True).requests
 
 
 def _check_int(flag: str, value, minimum: int) -> None:

@@ -4,8 +4,11 @@
 v2 spec with explicit clients — P·U per stage (P system prompts × U users), client
 `prompt-p-user-u` (multi-stage: `stage-s-prompt-p-user-u`), tenant and prefix group
 `prompt-p` (prefix = `system_prompt_len` tokens), SLO class standard, constant input
-`question_len` and output `output_len`. The result is fully expressible in YAML, so
-`convert inference-perf` writes exactly what is generated:
+`question_len` and output `output_len`. This is `convert inference-perf`'s YAML form and the
+open-loop extension's generator input; `run` generates inference-perf specs with BLIS's own
+expansion instead (`go_generator._expand_inference_perf`, blis-rng §8: normalized-exponential
+and Poisson factories that YAML cannot carry, so a converted spec generates differently, as in
+BLIS):
 
 * **single stage, single-turn**: N = ⌊rate·duration⌋ requests split evenly (the first N mod
   P·U clients get one more). Each client gets one lifecycle window [0, duration] with
@@ -36,7 +39,9 @@ after generation `label_open_loop_users` gives each client's requests one sessio
 0, 1, 2, … in arrival order; nothing in the engine reads these labels. Counts are Poisson
 (≈ rate·duration per stage); `num_requests` defaults to 0 (the stage windows bound generation),
 and a `num_requests` the spec sets still caps the merged list. `convert inference-perf` writes
-the same clients, arrivals and lengths, but the plain v2 schema cannot carry the user labels.
+the same clients, arrival processes and lengths, but the plain v2 schema cannot carry the user
+labels, and plain clients draw BLIS's token IDs between arrivals (this mode draws none, so its
+arrivals do not depend on the lengths), so the converted spec's arrivals differ.
 """
 
 from __future__ import annotations

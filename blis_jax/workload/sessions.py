@@ -20,11 +20,12 @@ budget num_requests − (initial requests) is spent (so at most num_requests req
 the horizon interrupts the user, or a request of the user times out or is dropped (that ends
 the user, as it cancels a multi-turn session: BLIS runs both through one session manager).
 Which user takes the k-th follow-up depends on completion order, so each concurrency client
-gets a pool of `budget` rows whose lengths are drawn now, iid from the client's distributions
-(key `fold(client key, POOL)`, index k); the loop gives the k-th follow-up generated to pool
-row k of the completing user's client and records the user (engine/sessions.py). Lengths are
-thus iid per request in global follow-up order rather than drawn per user (BLIS's per-user Go
-streams cannot be reproduced anyway). `settle_sessions` maps the pool rows that were used back
+gets a pool of `budget` rows whose lengths are fixed now: pool row j holds follow-up j // U of
+user j mod U, from that user's own Go stream (blis-rng §6.2); the loop gives the k-th follow-up
+generated to pool row k of the completing user's client and records the user
+(engine/sessions.py). BLIS draws each user's follow-ups in that user's order, so lengths match
+BLIS's only as far as users complete in turn (a known approximation; multi-turn sessions are
+exact). `settle_sessions` maps the pool rows that were used back
 to their users (session id, round index); unused rows (budget not spent) never existed.
 """
 
@@ -35,7 +36,7 @@ import dataclasses
 import numpy as np
 
 from blis_jax.errors import ConfigError
-from blis_jax.workload.arrivals import KeyColumn
+from blis_jax.workload.distribution import MAX_GENERATED_REQUESTS
 from blis_jax.workload.requests import RequestSet, make_request_set
 
 # placeholder arrival of a follow-up row: after every real arrival, so rows stay sorted
@@ -96,6 +97,9 @@ def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
     for k, v in list(columns.items()):
         if k != "reason_ratio":
             columns[k] = np.concatenate([v, v[src]])
+    if "prefix_group" in columns:   # BLIS's trace labels: follow-ups carry no prefix (blis-rng §7)
+        columns["prefix_group"] = np.concatenate([base.trace_columns["prefix_group"], np.full(m, "")])
+        columns["prefix_length"] = np.concatenate([base.trace_columns["prefix_length"], np.full(m, "0")])
     requests = _with_follow_ups(base, src, rows["input"], rows["output"], rows["round"], columns)
     # each round links to the next round of its session (row n0 + k is follow-up k)
     next_round = np.full(n0 + m, -1, np.int64)
@@ -116,46 +120,25 @@ def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
 
 
 def _follow_up_rows(workload, plans) -> dict[str, np.ndarray]:
-    """Rounds 1.. of every session, session by session: lengths drawn from each round's key
-    at the session's index, the input growing by the context (`accumulate`: earlier rounds'
-    fresh input and output). The rounds of all sessions of a client (and window) are drawn
-    together, with one stream key per row."""
-    from blis_jax.workload import generate as g
-
+    """Rounds 1.. of every session, session by session: the lengths drawn from the session's
+    Go stream (`SessionPlan.fresh` / `output`), the input growing by the context (`accumulate`:
+    earlier rounds' fresh input and output)."""
     base = workload.requests
     rounds = np.array([max(p.max_rounds - 1, 0) for p in plans], np.int64)
     plan_of = np.repeat(np.arange(len(plans)), rounds)
     first_row = np.concatenate([[0], np.cumsum(rounds)[:-1]]).astype(np.int64) if len(plans) else rounds
     round_of = np.arange(len(plan_of)) - np.repeat(first_row, rounds) + 1
     m = len(plan_of)
-    fresh, output, reason = np.zeros(m, np.int64), np.zeros(m, np.int64), np.zeros(m)
-    groups: dict[tuple, list[int]] = {}
+    fresh, output, reason = np.zeros(m, np.int64), np.zeros(m, np.int64), np.zeros(m)  # follow-ups: reason 0
     for k, p in enumerate(plans):
-        if rounds[k]:
-            groups.setdefault((p.client_index, id(p.input_dist), id(p.output_dist)), []).append(k)
-    for (client, _, _), members in groups.items():
-        rc, p0 = workload.clients[client], plans[members[0]]
-        at = np.concatenate([np.arange(first_row[k], first_row[k] + rounds[k]) for k in members])
-        idx = np.array([plans[k].start_index for k in plan_of[at]], np.int64)
-        if rc.multimodal is not None:  # per-item draws take subsets of the rows: one row at a time
-            for row, i in zip(at.tolist(), idx.tolist()):
-                p = plans[plan_of[row]]
-                starts = g._Starts(p.base_key, np.zeros(1, np.int64), np.array([i]), p.input_dist, p.output_dist)
-                f, o, r, _ = g._sample_round(rc, starts, p.round_key(int(round_of[row])), np.array([i]))
-                fresh[row], output[row], reason[row] = f[0], o[0], r[0]
-            continue
-        # SessionPlan.round_key of every row: fold(fold(base key, ROUND), round)
-        base_keys = {id(plans[k].base_key): plans[k].base_key for k in members}
-        which = {key_id: j for j, key_id in enumerate(base_keys)}
-        per_key = g.fold(KeyColumn.of(base_keys.values()), g.ROUND)
-        keys = g.fold(per_key[np.array([which[id(plans[k].base_key)] for k in plan_of[at]])], round_of[at])
-        starts = g._Starts(keys, np.zeros(len(at), np.int64), idx, p0.input_dist, p0.output_dist)
-        fresh[at], output[at], reason[at], _ = g._sample_round(rc, starts, keys, idx)
+        at = np.arange(first_row[k], first_row[k] + rounds[k])
+        fresh[at], output[at] = p.fresh[:rounds[k]], p.output[:rounds[k]]
     prefix = np.array([p.prefix_len for p in plans], np.int64)
     accumulate = np.array([p.context_growth == "accumulate" for p in plans], bool)
     first = np.array([p.request_id for p in plans], np.int64)
-    # context before round 1: round 0's fresh input and output; then each round adds its own
-    context0 = np.where(accumulate, base.input_len[first] - prefix + base.output_len[first], 0)
+    # context before round 1: round 0's input without its prefix, and its output; then each
+    # round adds its own (BLIS's buffer starts with the blueprint prefix, blis-rng §7 step 6)
+    context0 = np.where(accumulate, base.input_len[first] - base.prefix_len[first] + base.output_len[first], 0)
     before = np.concatenate([[0], np.cumsum(fresh + output)])  # over all earlier rows
     grown = before[:-1] - np.repeat(before[first_row], rounds)  # over the earlier rounds of the session
     context = np.repeat(context0, rounds) + np.where(accumulate[plan_of], grown, 0)
@@ -180,21 +163,24 @@ def _concurrency_requests(workload) -> tuple[RequestSet, SessionLinks]:
     for s, p in enumerate(plans):
         slot[p.request_id], think[p.request_id] = s, p.think_time_us
         by_client.setdefault(p.client_index, []).append(s)
-    if budget * len(by_client) > g.MAX_GENERATED_REQUESTS:
+    if budget * len(by_client) > MAX_GENERATED_REQUESTS:
         raise ConfigError(f"num_requests: {budget} follow-ups for each of {len(by_client)} concurrency clients "
-                          f"exceed the limit of {g.MAX_GENERATED_REQUESTS} rows; lower num_requests")
+                          f"exceed the limit of {MAX_GENERATED_REQUESTS} rows; lower num_requests")
     if budget == 0:
         return base, dataclasses.replace(SessionLinks.none(n0), session_slot=slot, think_time_us=think,
                                          num_sessions=len(plans))
     src, inputs, outputs, reasons, links_think, links_timeout, links_base = [], [], [], [], [], [], []
     parts: dict[str, list] = {}
     for k, (ci, slots) in enumerate(sorted(by_client.items())):
-        p, rc = plans[slots[0]], workload.clients[ci]
+        p = plans[slots[0]]
         first = n0 + k * budget
         pool_base[[plans[s].request_id for s in slots]] = first
-        idx = np.arange(budget, dtype=np.int64)
-        starts = g._Starts(p.base_key, np.zeros(budget, np.int64), idx, p.input_dist, p.output_dist)
-        fresh, output, reason, drawn = g._sample_round(rc, starts, g.fold(p.base_key, g.POOL), idx)
+        # Pool row j: follow-up j // U of user j mod U, from that user's Go stream (BLIS gives
+        # each user its own sequence; which user takes a pool row is decided in the loop).
+        users = [plans[s] for s in slots]
+        fresh = np.array([users[j % len(users)].fresh[j // len(users)] for j in range(budget)], np.int64)
+        output = np.array([users[j % len(users)].output[j // len(users)] for j in range(budget)], np.int64)
+        reason, drawn = np.zeros(budget), {}
         src.append(np.full(budget, p.request_id, np.int64))
         inputs.append(p.prefix_len + fresh)
         outputs.append(output)

@@ -371,6 +371,10 @@ def _record_columns(requests: RequestSet, sim_output: _SimResultLike | None) -> 
     names = requests.prefix_group_names
     server = np.array([int(v) if v else 0 for v in carried("server_input_tokens", "0")], dtype=np.int64)
     fresh = requests.input_len - requests.prefix_len
+    if "prefix_group" in raw and "prefix_length" in raw:
+        # BLIS's own labels of a generated set: a follow-up round has prefix_length 0 and its
+        # whole prompt as input_tokens, though its tokens still start with the group prefix.
+        fresh = requests.input_len - np.array([int(v) for v in raw["prefix_length"]], dtype=np.int64)
     raw_input = carried("input_tokens", "")
     # Ungrouped rows whose prompt came from server_input_tokens keep their recorded input_tokens.
     input_tokens = [raw_input[i] if (not grouped[i] and server[i] > 0 and raw_input[i]) else str(fresh[i])
@@ -381,9 +385,11 @@ def _record_columns(requests: RequestSet, sim_output: _SimResultLike | None) -> 
         "client_id": list(requests.client_id), "tenant_id": list(requests.tenant_id),
         "slo_class": list(requests.slo_class), "session_id": list(requests.session_id),
         "round_index": _ints(requests.round_index),
-        "prefix_group": [names[g] if g >= 0 else "" for g in requests.prefix_group],
-        "prefix_length": [str(p) if grouped[i] else c
-                          for i, (p, c) in enumerate(zip(requests.prefix_len, carried("prefix_length", "0")))],
+        # A generated set may carry BLIS's own labels (session rounds leave the group out).
+        "prefix_group": carried("prefix_group", "") if "prefix_group" in raw
+        else [names[g] if g >= 0 else "" for g in requests.prefix_group],
+        "prefix_length": carried("prefix_length", "0") if "prefix_group" in raw else
+        [str(p) if grouped[i] else c for i, (p, c) in enumerate(zip(requests.prefix_len, carried("prefix_length", "0")))],
         "streaming": carried("streaming", "false"),
         "input_tokens": input_tokens, "output_tokens": _ints(requests.output_len),
         "text_tokens": carried("text_tokens", "0"), "image_tokens": carried("image_tokens", "0"),
