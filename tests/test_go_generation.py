@@ -18,7 +18,7 @@ import pytest
 
 from blis_jax import cli
 from blis_jax.workload.tracev2 import format_records
-from tests.shared_data import BLIS_DIFF, needs_blis_diff
+from shared_data import BLIS_DIFF, needs_blis_diff  # noqa: E402
 
 GENERATED_COLUMNS = ("request_id", "client_id", "tenant_id", "slo_class", "session_id", "round_index",
                      "prefix_group", "prefix_length", "streaming", "input_tokens", "output_tokens",

@@ -11,7 +11,7 @@ import pytest
 
 from blis_jax.rng import _go_tables
 from blis_jax.rng.go_rand import GoRand, go_log, go_round
-from tests.shared_data import REFERENCE, needs
+from shared_data import REFERENCE, needs  # noqa: E402
 
 GO_RAND = REFERENCE / "go-math-rand"
 pytestmark = needs(GO_RAND, "Go math/rand reference vectors")

@@ -7,15 +7,11 @@ import json
 
 import pytest
 from observe_helpers import client_for, run
-from shared_data import REFERENCE, needs
 
 from blis_jax.observe import prompts
 from blis_jax.observe.http_request import RequestSpec, encode_body, request_body, request_headers
 from blis_jax.observe.testserver import OpenAITestServer, ServerConfig
 from blis_jax.observe.warmup import probe_ratio
-
-GO_TABLES = REFERENCE / "go-math-rand" / "tables.json"
-needs_go_tables = needs(GO_TABLES, "Go math/rand tables")
 
 
 def body(spec: RequestSpec, **kw) -> str:
@@ -84,7 +80,6 @@ def test_group_seed_is_fnv1a_of_seed_and_name(seed, group, expected):
     assert prompts.group_seed(seed, group) == expected
 
 
-@needs_go_tables
 @pytest.mark.parametrize("seed, group, n, expected", [
     (42, "shared", 10, "xylem jade tea india clover lily olive garlic spruce birch "),
     (42, "group-a", 20, "oak yucca quebec quebec romeo jade reed violet zest umbra oak jade juniper nutmeg kiwi "
@@ -93,13 +88,11 @@ def test_group_seed_is_fnv1a_of_seed_and_name(seed, group, expected):
                         "fennel reed xeris papa fig ginger "),
     (7, "sys", 8, "foxtrot cedar tea zest laurel banana moss kiwi ")])
 def test_e5_prefix_strings_with_go_math_rand(seed, group, n, expected):
-    draws = prompts.go_word_draws(json.loads(GO_TABLES.read_text())["rngCooked_int64"])
-    assert prompts.prefix_string(seed, group, n, 1.0, draws) == expected
+    assert prompts.prefix_string(seed, group, n, 1.0) == expected  # BLIS's Go stream by default
 
 
-@needs_go_tables
 def test_e5_grouped_prompt_prefix_plus_suffix_words():
-    draws = prompts.go_word_draws(json.loads(GO_TABLES.read_text())["rngCooked_int64"])
+    draws = prompts.go_word_draws
     ids = [7] * 10 + [5, 15, 25, 35, 45]
     builder = prompts.PromptBuilder(1.0, prompts.build_prefix_strings(42, {"shared": 10}, 1.0, draws))
     assert builder.build(ids, 15, "shared") == (
@@ -116,7 +109,7 @@ def test_e5_grouped_prompt_prefix_plus_suffix_words():
     assert prompts.word_count(1000, 1.67) == 599
 
 
-def test_prefix_strings_are_shared_and_nested_without_go_tables():
+def test_prefix_strings_are_shared_and_nested():
     a = prompts.prefix_string(42, "g", 30, 1.0)
     assert a == prompts.prefix_string(42, "g", 30, 1.0)
     assert a.startswith(prompts.prefix_string(42, "g", 10, 1.0))

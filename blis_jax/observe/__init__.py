@@ -2,7 +2,8 @@
 (spec blis-observe.md). One concept per module:
 
 * `workload` — the flags' workload (the project's generators, as `run` builds it) as rows to send;
-* `tokens`, `prompts`, `gorand` — token IDs of a row, the 100-word prompt text, prefix strings;
+* `tokens`, `prompts` — token IDs of a row, the 100-word prompt text, prefix strings (BLIS's
+  words from Go's math/rand, `blis_jax.rng`);
 * `http_request` — body and headers of one request; `sse` — streamed-response parsing;
 * `client` — the aiohttp exchange of one request → `Outcome`;
 * `sessions` — closed-loop follow-ups driven by real completions;

@@ -345,7 +345,6 @@ def _install_signals(dispatcher, stop: asyncio.Event) -> None:
 
 
 def _word_draws():
-    """The prefix-word stream. BLIS's words need Go's math/rand tables (`prompts.go_word_draws`);
-    until the project ships them, a NumPy stream from the same group seed (same sharing)."""
+    """The prefix-word stream: BLIS's, from Go's math/rand seeded with each group's seed."""
     from blis_jax.observe import prompts
-    return prompts.numpy_word_draws
+    return prompts.go_word_draws

@@ -12,9 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-import numpy as np
 
-from blis_jax.observe.gorand import GoSource
+from blis_jax.rng.go_rand import GoRand
 
 # BLIS cmd/observe_cmd.go: the NATO alphabet, then 74 plant, spice and nature words.
 VOCABULARY: tuple[str, ...] = tuple("""
@@ -64,23 +63,14 @@ def group_seed(seed: int, group: str) -> int:
     return h - (1 << 64) if h >= 1 << 63 else h
 
 
-def go_word_draws(cooked: Sequence[int]) -> WordDraws:
+def go_word_draws(seed: int, count: int) -> list[int]:
     """BLIS's draws: `Intn(100)` from a Go math/rand source seeded with the group seed."""
-    def draws(seed: int, count: int) -> list[int]:
-        src = GoSource(seed, cooked)
-        return [src.intn(100) for _ in range(count)]
-    return draws
-
-
-def numpy_word_draws(seed: int, count: int) -> list[int]:
-    """Fallback without Go's tables: a NumPy stream from the same group seed (same sharing,
-    different words from BLIS's)."""
-    rng = np.random.Generator(np.random.PCG64(seed & ((1 << 64) - 1)))
-    return [int(v) for v in rng.integers(0, 100, size=count)]
+    src = GoRand(seed)
+    return [src.intn(100) for _ in range(count)]
 
 
 def prefix_string(seed: int, group: str, prefix_tokens: int, ratio: float,
-                  draws: WordDraws = numpy_word_draws) -> str:
+                  draws: WordDraws = go_word_draws) -> str:
     """The shared leading text of a prefix group (spec §4.5)."""
     n = word_count(prefix_tokens, ratio)
     return "".join(VOCABULARY[i] + " " for i in draws(group_seed(seed, group), n))
@@ -114,5 +104,5 @@ def group_prefix_lengths(clients: Sequence[tuple[str, int]]) -> dict[str, int]:
 
 
 def build_prefix_strings(seed: int, lengths: Mapping[str, int], ratio: float,
-                         draws: WordDraws = numpy_word_draws) -> dict[str, tuple[str, int]]:
+                         draws: WordDraws = go_word_draws) -> dict[str, tuple[str, int]]:
     return {g: (prefix_string(seed, g, p, ratio, draws), p) for g, p in lengths.items()}
