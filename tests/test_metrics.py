@@ -56,6 +56,7 @@ from blis_jax.output import (
 from blis_jax.workload.requests import make_request_set
 from blis_jax.workload.tracev2 import read_trace
 
+from blis_diff import params_with_known_failures  # noqa: E402
 from shared_data import BLIS_DIFF, needs_blis_diff  # noqa: E402
 CASES = sorted(p for p in BLIS_DIFF.glob("*") if (p / "metrics.json").is_file()) if BLIS_DIFF.is_dir() else []
 PD_CASES = {"E05", "E07"}   # per-instance blocks count PD sub-requests: not modelled here
@@ -154,8 +155,14 @@ def test_a01_ttft_e2e_reproduce_metrics_json():
 # ---------------------------------------------------------------------- reference cases
 
 
+# Reference cases whose outputs carry sections of features not built yet (autoscaler scaling,
+# LoRA adapter blocks, per-model metrics, offload and shared-pool lines): strict xfails.
+AUTOSCALED_OR_LORA = {"F03", "F04", "J01", "J02", "J03"}
+NEW_SECTIONS = AUTOSCALED_OR_LORA | {"F01", "F05", "G01", "G02", "G04", "H02", "H03", "H04"}
+
+
 @needs_reference
-@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name[:3])
+@pytest.mark.parametrize("case", params_with_known_failures(CASES, AUTOSCALED_OR_LORA))
 def test_cluster_block_fields_and_order(case: Path):
     requests, out, met, _, _, header = _case(case)
     m = metrics_output(out, requests, with_cache_hit_rate=True, goodput_targets=header.goodput_slo_targets)
@@ -173,7 +180,7 @@ def test_cluster_block_fields_and_order(case: Path):
 
 
 @needs_reference
-@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name[:3])
+@pytest.mark.parametrize("case", params_with_known_failures(CASES, AUTOSCALED_OR_LORA))
 def test_request_records_and_results(case: Path):
     requests, out, met, *_ = _case(case)
     records = request_records(out, requests)
@@ -188,7 +195,8 @@ def test_request_records_and_results(case: Path):
 
 
 @needs_reference
-@pytest.mark.parametrize("case", [c for c in CASES if c.name[:3] not in PD_CASES], ids=lambda p: p.name[:3])
+@pytest.mark.parametrize("case", params_with_known_failures([c for c in CASES if c.name[:3] not in PD_CASES],
+                                                         NEW_SECTIONS))
 def test_stdout_text_matches(case: Path):
     requests, out, _, stdout, info, header = _case(case)
     hol = re.search(r"HOL Blocking Events: (\d+)", stdout)
