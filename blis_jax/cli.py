@@ -54,6 +54,7 @@ from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
 from blis_jax.engine.params import make_engine_params
 from blis_jax.engine.simulate import simulate_instance, simulate_sessions
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import atomic_write_text, check_command_paths, short
 from blis_jax.latency import build_latency_model
 from blis_jax.output import format_pd_section, pd_summary, render_stdout, write_metrics_file, write_results_file
 from blis_jax.workload.distribution import (
@@ -419,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not use JAX's persistent compilation cache (default: on, in "
                              "$XDG_CACHE_HOME/blis-jax/jax-cache; env BLIS_JAX_COMPILE_CACHE=DIR or 0)")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{run,replay,convert,compose,calibrate,sweep,plan,fit,sensitivity}",
+                                metavar="{run,replay,convert,compose,calibrate,sweep,plan,fit,sensitivity,models}",
                                 parser_class=_Parser)
     sub.required = True
     run = sub.add_parser("run", allow_abbrev=False, help="generate a workload and simulate it",
@@ -437,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep_parsers(sub)
     _add_fit_parser(sub)
     _add_sensitivity_parser(sub)
+    models = sub.add_parser("models", allow_abbrev=False, help="list the bundled models and GPUs",
+                            description="List the bundled model ids (for --model) and GPU names (--hardware).")
+    _add_log_flag(models)
     return parser
 
 
@@ -527,8 +531,13 @@ class ProgressReporter:
             self.stream.flush()
 
 
+MAX_MESSAGE = 300  # an error line longer than this is cut (offending values are already shortened)
+
+
 def _one_line(message: str) -> str:
-    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    text = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 3] + "..."
+
 
 
 # --------------------------------------------------------------------------- configuration
@@ -651,6 +660,11 @@ def _latency_coefficients(args) -> tuple[str, tuple | None, tuple | None]:
 
 def _hardware_and_tp(args, hf_id: str) -> tuple[str, int]:
     defaults = MODEL_DEFAULTS.get(hf_id.lower()) or MODEL_DEFAULTS.get(str(args.model).lower())
+    for flag, value in (("--hardware", args.hardware), ("--prefill-hardware", args.prefill_hardware),
+                        ("--decode-hardware", args.decode_hardware)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag}: empty GPU name; give a bundled GPU (e.g. H100) or a GPU YAML path, "
+                              "or omit the flag")
     hardware = args.hardware or (defaults[0] if defaults else DEFAULT_HARDWARE)
     if args.tp is not None and args.tp < 0:
         raise ConfigError(f"--tp {args.tp}: the tensor-parallel degree must be >= 1 (0 = model default)")
@@ -965,7 +979,7 @@ def _emit_spec(spec, output: str | None, stdout: TextIO) -> None:
 
     text = dump_spec(spec)
     if output:
-        Path(output).write_text(text)
+        atomic_write_text(output, text)
     else:
         stdout.write(text)
         stdout.flush()
@@ -1057,7 +1071,7 @@ def cmd_calibrate(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> in
     report = calibrate.calibration_report(
         pairs, network, goodput_targets=header.goodput_slo_targets, hit_rates=hit_rates,
         hit_rate_tolerance_pp=args.hit_rate_tolerance_pp, ttft_mape_threshold=args.ttft_mape_threshold)
-    Path(args.report).write_text(go_json(report) + "\n")
+    atomic_write_text(args.report, go_json(report) + "\n")
     stdout.write(calibrate.format_summary(report))
     stdout.flush()
     if not report["checks"]["ttft_mape_within_threshold"]:
@@ -1069,10 +1083,17 @@ def cmd_calibrate(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> in
     return 0
 
 
+def cmd_models(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    stdout.write("models (--model):\n" + "".join(f"  {m}\n" for m in bundled_model_ids()))
+    stdout.write("GPUs (--hardware):\n" + "".join(f"  {g}\n" for g in bundled_gpu_names()))
+    stdout.flush()
+    return 0
+
+
 COMMANDS: dict[str, Callable] = {"run": cmd_run, "replay": cmd_replay, "convert": cmd_convert,
                                  "compose": cmd_compose, "calibrate": cmd_calibrate,
                                  "sweep": cmd_sweep, "plan": cmd_plan, "fit": cmd_fit,
-                                 "sensitivity": cmd_sensitivity}
+                                 "sensitivity": cmd_sensitivity, "models": cmd_models}
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
@@ -1095,6 +1116,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
 
         enable_compile_cache(diag)
     try:
+        check_command_paths(args.command, args)  # no output overwrites an input or another output
         return COMMANDS[args.command](args, stdout, stderr, diag)
     except ConfigError as e:
         stderr.write(f"{PROG} {args.command}: error: {_one_line(str(e))}\n")
@@ -1103,8 +1125,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
         _silence_stdout()
         return EXIT_FAILURE
     except OSError as e:
-        where = f" {e.filename}" if e.filename else ""
-        stderr.write(f"{PROG} {args.command}: error:{where}: {e.strerror or e}\n")
+        where = f" {short(str(e.filename), 80)}:" if e.filename else ""
+        stderr.write(f"{PROG} {args.command}: error:{where} {_one_line(e.strerror or str(e))}\n")
         return EXIT_USAGE
     except SimulationFailed as e:
         stderr.write(f"{PROG} {args.command}: error: {_one_line(str(e))}\n")

@@ -23,6 +23,7 @@ import yaml
 
 from blis_jax.config.quantization import activation_bytes, detect_weight_bytes, torch_dtype_of
 from blis_jax.config.yaml_files import read_yaml_file
+from blis_jax.io_safety import short, summarise
 from blis_jax.errors import ConfigError
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -338,9 +339,9 @@ def load_model(id_or_path: str | Path, *, name: str | None = None) -> ModelArch:
     if candidate.is_file():
         return arch_from_dict(_read_yaml(candidate), where=str(candidate))
     raise ConfigError(
-        f"unknown model {str(id_or_path)!r} (lookup key {key!r}); bundled models: "
-        f"{', '.join(bundled_model_ids())}. For another model pass the path to its "
-        "HuggingFace config.json (or the directory holding it) or to a blis-jax model YAML"
+        f"unknown model {short(str(id_or_path))}; "
+        f"{summarise(bundled_model_ids(), 'bundled models', '`blis-jax models` lists them')}; "
+        "or pass the path to a HF config.json or a blis-jax model YAML"
     )
 
 

@@ -26,6 +26,7 @@ import yaml
 # Only the status codes: writing outcomes is the one place a trace needs simulation results.
 from blis_jax.engine.output import COMPLETED, LENGTH_CAPPED, TIMED_OUT
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import atomic_write_text
 from blis_jax.workload.requests import NO_PREFIX_GROUP, RequestSet, make_request_set
 
 REQUIRED_COLUMNS: tuple[str, ...] = (
@@ -329,8 +330,8 @@ def write_trace(prefix: str | Path, header: TraceHeader, requests: RequestSet,
     """
     prefix = Path(prefix)
     yaml_path, csv_path = prefix.with_name(prefix.name + ".yaml"), prefix.with_name(prefix.name + ".csv")
-    yaml_path.write_text(format_header(header))
-    csv_path.write_text(format_records(requests, sim_output), newline="")
+    atomic_write_text(yaml_path, format_header(header))
+    atomic_write_text(csv_path, format_records(requests, sim_output), newline="")
     return yaml_path, csv_path
 
 
