@@ -53,6 +53,7 @@ from blis_jax.engine import results as result_codes
 from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
 from blis_jax.engine.params import make_engine_params
 from blis_jax.engine.simulate import simulate_instance, simulate_sessions
+from blis_jax import limits
 from blis_jax.errors import ConfigError
 from blis_jax.io_safety import atomic_write_text, check_command_paths, short
 from blis_jax.latency import build_latency_model
@@ -60,6 +61,7 @@ from blis_jax.output import format_pd_section, pd_summary, render_stdout, write_
 from blis_jax.workload.distribution import (
     DEFAULT_TIMEOUT_S,
     OUTPUT_DEFAULT,
+    constant_iat_us,
     PROMPT_DEFAULT,
     DistributionWorkload,
     GaussianLength,
@@ -151,6 +153,7 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--progress", action="store_true",
                    help="print progress lines on stderr even when it is not a terminal "
                         "(on a terminal they appear for runs longer than a few seconds)")
+    add_memory_flag(g)
 
     g = p.add_argument_group("cluster: admission and routing")
     g.add_argument("--admission-policy", choices=ADMISSION_POLICIES, default="always-admit",
@@ -302,6 +305,12 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="write per-request results (completed requests) as JSON")
     g.add_argument("--trace-output", default=None, metavar="PREFIX",
                    help="write the simulated requests as a TraceV2: PREFIX.yaml + PREFIX.csv")
+
+
+def add_memory_flag(g) -> None:
+    g.add_argument("--max-memory-gib", type=float, default=None, metavar="GIB",
+                   help=f"memory budget of the size checks made before simulating (requests, engine buffers, "
+                        f"scenarios; default {limits.DEFAULT_BUDGET_GIB:g}): a larger input is refused up front")
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -677,6 +686,8 @@ def _kv_blocks(args, arch, gpu, tp: int, diag: Diagnostics) -> int:
         if args.total_kv_blocks < 1:
             raise ConfigError(f"--total-kv-blocks {args.total_kv_blocks}: must be >= 1 "
                               "(omit it to auto-size from GPU memory)")
+        limits.check_int("--total-kv-blocks", args.total_kv_blocks, 1, limits.MAX_KV_BLOCKS,
+                         " (block ids are 32-bit; raise --block-size-in-tokens instead)")
         return args.total_kv_blocks
     try:
         return auto_kv_blocks(arch, gpu, tp, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -700,6 +711,9 @@ def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> Scenari
         raise ConfigError(f"--horizon {args.horizon}: must be > 0 µs (omit it for no horizon)")
     if args.block_size_in_tokens < 1:
         raise ConfigError(f"--block-size-in-tokens {args.block_size_in_tokens}: must be >= 1")
+    limits.check_int("--block-size-in-tokens", args.block_size_in_tokens, 1, limits.MAX_TOKENS)
+    limits.check_int("--max-model-len", args.max_model_len, 0, limits.MAX_TOKENS, " tokens (0 = auto)")
+    limits.check_int("--max-num-batched-tokens", args.max_num_batched_tokens, 1, limits.MAX_TOKENS)
     util = args.gpu_memory_utilization
     if not (math.isfinite(util) and 0.0 < util <= 1.0):
         raise ConfigError(f"--gpu-memory-utilization {util}: must be in (0, 1], e.g. 0.9")
@@ -813,7 +827,8 @@ def run_workload(args, diag: Diagnostics) -> DistributionWorkload:
 
 def replay_horizon(args, requests: RequestSet) -> int | None:
     """Explicit --horizon, else BLIS's replay default: 2 × the latest injection time
-    (no horizon when every request is injected at time 0)."""
+    (no horizon when every request is injected at time 0). Trace times are at most
+    limits.MAX_TIME_US, so the doubled time fits int64."""
     if args.horizon is not None:
         return args.horizon
     latest = int(requests.arrival_us.max()) if len(requests) else 0
@@ -923,22 +938,66 @@ def resolve_run_sessions(args, diag: Diagnostics):
         from blis_jax.workload.generate import generate_workload
         from blis_jax.workload.sessions import closed_loop_requests
 
+        from blis_jax.workload.spec import load_spec
+
         if args.timeout is not None and args.timeout == 0:
             raise ConfigError("--timeout 0 is not allowed: give seconds > 0, or a negative value to disable")
+        _check_run_numbers(args)
+        spec = load_spec(args.workload_spec)
+        limits.check_requests(_spec_request_estimate(spec, args), "lower num_requests (or --num-requests) "
+                              "or the horizon")
         scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
-        generated = generate_workload(args.workload_spec, args.seed, num_requests=args.num_requests,
+        generated = generate_workload(spec, args.seed, num_requests=args.num_requests,
                                       horizon_us=args.horizon, timeout_s=args.timeout, sessions="first_round")
         requests = generated.requests
         if generated.sessions:
             requests, sessions = closed_loop_requests(generated)
     else:
+        _check_run_numbers(args)
         workload = run_workload(args, diag)
+        n = workload.num_requests
+        if workload.horizon_us is not None:
+            by_horizon = workload.horizon_us // constant_iat_us(workload.rate)
+            n = by_horizon if n == 0 else min(n, by_horizon)
+        limits.check_requests(n, "lower --num-requests" if n == workload.num_requests else "shorten --horizon")
         scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
         requests = generate_distribution(workload, args.seed)
     if len(requests) == 0:
         raise ConfigError("no requests to simulate: --horizon is shorter than one inter-arrival time "
                           "(1/--rate); raise --horizon or --rate")
     return scenario, requests, sessions
+
+
+def _check_run_numbers(args) -> None:
+    """Ranges of `run`'s workload flags (times and lengths inside the engine's int64 sums)."""
+    if args.timeout is not None and abs(args.timeout) * 1e6 > limits.MAX_TIME_US:
+        raise ConfigError(f"--timeout {args.timeout:g}: at most {limits.MAX_TIME_US / 1e6:.3g} s "
+                          "(a negative value disables timeouts)")
+    if args.num_requests is not None:
+        limits.check_int("--num-requests", args.num_requests, 0, limits.INT64_MAX)
+    for flag in ("prefix_tokens", "prompt_tokens_min", "prompt_tokens_max", "output_tokens_min",
+                 "output_tokens_max"):
+        value = getattr(args, flag)
+        if value is not None and value > limits.MAX_TOKENS:
+            limits.check_int("--" + flag.replace("_", "-"), value, 0, limits.MAX_TOKENS, " tokens")
+    for flag in ("prompt_tokens", "prompt_tokens_stdev", "output_tokens", "output_tokens_stdev"):
+        value = getattr(args, flag)
+        if value is not None and abs(value) > limits.MAX_TOKENS:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value:g}: at most {limits.MAX_TOKENS:,} tokens")
+
+
+def _spec_request_estimate(spec, args) -> int:
+    """Requests a spec will generate (before generating them): the count, else rate x horizon."""
+    n = args.num_requests if args.num_requests is not None else spec.num_requests
+    if n:
+        return n
+    horizon = args.horizon or spec.horizon
+    estimate = 0
+    if horizon and spec.aggregate_rate:
+        estimate = int(spec.aggregate_rate * horizon / 1e6)
+    if spec.inference_perf is not None:
+        estimate = max(estimate, int(sum(s.rate * s.duration for s in spec.inference_perf.stages)))
+    return estimate
 
 
 def cmd_replay(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
@@ -1110,12 +1169,14 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
         return EXIT_USAGE
     except SystemExit as e:  # --help / --version
         return int(e.code or 0)
-    diag = Diagnostics(stderr, level=args.log)
+    diag = Diagnostics(stderr, level=getattr(args, "log", "warn"))
     if argv is None and not args.no_compile_cache:  # a real command line, not a library call
         from blis_jax.compile_cache import enable_compile_cache
 
         enable_compile_cache(diag)
     try:
+        _check_flag_numbers(args)
+        limits.configure(getattr(args, "max_memory_gib", None))
         check_command_paths(args.command, args)  # no output overwrites an input or another output
         return COMMANDS[args.command](args, stdout, stderr, diag)
     except ConfigError as e:
@@ -1134,6 +1195,19 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
     except KeyboardInterrupt:
         stderr.write(f"\n{PROG} {args.command}: interrupted\n")
         return 130
+
+
+def _check_flag_numbers(args) -> None:
+    """Every numeric flag: an integer fits int64, a real number is finite (argparse accepts
+    `inf`, `nan` and 30-digit integers; each would fail later with a traceback or overflow)."""
+    for name, value in vars(args).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+            raise ConfigError(f"{flag} {short(str(value), 24)}: beyond 64-bit integers; give a value below 2^63")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flag} {value}: must be a finite number")
 
 
 def _silence_stdout() -> None:

@@ -51,10 +51,17 @@ def short_path(path: str | Path, limit: int = 48) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
 
 
-def summarise(names: Sequence[str], what: str, hint: str, limit: int = 6) -> str:
-    """'a, b, c' for a short list; '14 <what>: <hint>' for a long one."""
+def clip(text: Any, limit: int = 40) -> str:
+    """str(text), cut to `limit` characters with '...'."""
+    text = str(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def summarise(names: Sequence[str], what: str, hint: str, limit: int = 120) -> str:
+    """'a, b, c' for a list that fits in `limit` characters; else
+    '14 <what> (e.g. a, b; <hint>)'."""
     names = [str(n) for n in names]
-    if len(names) <= limit:
+    if len(", ".join(names)) <= limit:
         return ", ".join(names)
     return f"{len(names)} {what} (e.g. {', '.join(names[:2])}; {hint})"
 
@@ -126,7 +133,7 @@ def load_yaml_text(text: str, source: str, loader: type = yaml.SafeLoader) -> An
     try:
         return yaml.load(text, Loader=loader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML ({_one_line(e)})") from None
+        raise ConfigError(f"{source}: not valid YAML ({yaml_problem(e)})") from None
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply") from None
 
@@ -168,6 +175,14 @@ def _check_json_depth(text: str, source: str) -> None:
                 raise ConfigError(f"{source}: nested more than {MAX_NESTING} levels deep")
         elif ch in "]}":
             depth -= 1
+
+
+def yaml_problem(e: Exception) -> str:
+    """A YAML error in a few words: the problem and its line (PyYAML's text quotes the input)."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return _one_line(e)
 
 
 def _one_line(e: Exception) -> str:

@@ -19,14 +19,18 @@ strict: an unknown key or a mistyped value raises a ConfigError naming it and th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import itertools
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from blis_jax import limits
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import read_text, short
 from blis_jax.sweep import coefficient_axes, settings
 from blis_jax.sweep.table import METRICS
 from blis_jax.workload.spec import load_yaml
@@ -95,6 +99,7 @@ class Grid:
         _check_axis_values(key, values, f"{self.source}: axes.{key}")
         others = [a for a in self.axes if a != key]
         rest = _unique_combos(self.combos, others)
+        limits.check_scenarios(len(rest) * len(values), "give fewer --candidates or shrink the grid's other axes")
         combos = tuple({**c, key: v} for c in rest for v in values)
         _check_scenarios(self.base, combos, self.source)
         return dataclasses.replace(self, axes=(*others, key), combos=combos)
@@ -115,10 +120,7 @@ def _unique_combos(combos, keys) -> list[dict]:
 def load_grid(path: str | Path) -> Grid:
     """Read and validate a grid YAML file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"grid {path}: cannot read it ({e.strerror or e})") from None
+    text = read_text(path, f"grid {path}")
     return parse_grid(load_yaml(text, source=f"grid {path}"), source=str(path), root=path.parent)
 
 
@@ -188,10 +190,13 @@ def _axis_key(raw_key: Any, where: str) -> str:
 def _check_axis_values(key: str, values: Any, where: str) -> None:
     if not isinstance(values, list) or not values:
         raise ConfigError(f"{where}: must be a non-empty list of values, e.g. [1, 2, 4]")
-    hashed = [_hashable(v) for v in values]
-    dupes = sorted({str(v) for v in hashed if hashed.count(v) > 1})
+    try:
+        counts = collections.Counter(_hashable(v) for v in values)
+    except TypeError:  # an unhashable value: the value check below names it
+        counts = collections.Counter()
+    dupes = sorted(str(v) for v, c in counts.items() if c > 1)
     if dupes:
-        raise ConfigError(f"{where}: duplicate value(s) {', '.join(dupes)}; list each value once")
+        raise ConfigError(f"{where}: duplicate value(s) {short(', '.join(dupes))}; list each value once")
     _check_values(key, values, where)
 
 
@@ -237,6 +242,9 @@ def _parse_axes(axes: Any, source: str, root: Path | None) -> tuple[tuple[str, .
     where = f"{source}: axes"
     if not isinstance(axes, Mapping) or not axes:
         raise ConfigError(f"{where}: must be a mapping of setting → list of values, e.g. {{rate: [1, 2, 4]}}")
+    # Count the scenarios before building or checking any of them.
+    limits.check_scenarios(math.prod(len(v) if isinstance(v, list) else 1 for v in axes.values()),
+                           f"shrink the axes of {source}")
     parsed: dict[str, list] = {}
     for raw_key, values in axes.items():
         key = _axis_key(raw_key, where)
@@ -259,6 +267,7 @@ def _parse_list(entries: Any, source: str, root: Path | None) -> tuple[tuple[str
     where = f"{source}: scenarios"
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{where}: must be a non-empty list of mappings, e.g. [{{rate: 5}}, {{rate: 10}}]")
+    limits.check_scenarios(len(entries), f"shorten the scenarios of {source}")
     keys: tuple[str, ...] | None = None
     combos = []
     for i, entry in enumerate(entries):
