@@ -711,7 +711,8 @@ def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> Scenari
         raise ConfigError(f"--horizon {args.horizon}: must be > 0 µs (omit it for no horizon)")
     if args.block_size_in_tokens < 1:
         raise ConfigError(f"--block-size-in-tokens {args.block_size_in_tokens}: must be >= 1")
-    limits.check_int("--block-size-in-tokens", args.block_size_in_tokens, 1, limits.MAX_TOKENS)
+    limits.check_int("--block-size-in-tokens", args.block_size_in_tokens, 1, limits.MAX_BLOCK_SIZE,
+                     " tokens (vLLM uses 16 to 256)")
     limits.check_int("--max-model-len", args.max_model_len, 0, limits.MAX_TOKENS, " tokens (0 = auto)")
     limits.check_int("--max-num-batched-tokens", args.max_num_batched_tokens, 1, limits.MAX_TOKENS)
     util = args.gpu_memory_utilization
@@ -1192,6 +1193,12 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
     except SimulationFailed as e:
         stderr.write(f"{PROG} {args.command}: error: {_one_line(str(e))}\n")
         return EXIT_FAILURE
+    except (OverflowError, RecursionError, UnicodeError, MemoryError) as e:
+        # A backstop: an input value beyond what some check foresaw. Still one line, no traceback.
+        stderr.write(f"{PROG} {args.command}: error: an input is out of range ({type(e).__name__}: "
+                     f"{_one_line(str(e))[:120]}); check the sizes and numbers given, and please report "
+                     "the command line\n")
+        return EXIT_USAGE
     except KeyboardInterrupt:
         stderr.write(f"\n{PROG} {args.command}: interrupted\n")
         return 130

@@ -23,6 +23,7 @@ INT64_MAX = 2**63 - 1
 MAX_TIME_US = 2**53
 MAX_TOKENS = 2**40
 MAX_KV_BLOCKS = 2**26
+MAX_BLOCK_SIZE = 2**16  # tokens per KV block (vLLM: 16 to 256; 2^31 exhausted memory in the engine)
 MAX_SEED = 2**64 - 1  # a seed is any signed or unsigned 64-bit integer
 
 DEFAULT_BUDGET_GIB = 16.0

@@ -127,7 +127,8 @@ def choose_dims(
     shared = int((prefixes // block_size).max()) if len(prefixes) else 0
     # One step allocates at most: every prefill chunk under the token budget, plus one block per
     # running request (a decode crossing a block boundary, or the partial end of a chunk).
-    chunk_blocks = max_num_batched_tokens // block_size + 2
+    # (Never more than the pool: a huge --max-num-batched-tokens must not size this buffer.)
+    chunk_blocks = min(max_num_batched_tokens // block_size, total_kv_blocks) + 2
     alloc = bucket(chunk_blocks + batch)
     dims = EngineDims(
         num_requests=bucket(n),

@@ -24,6 +24,7 @@ import dataclasses
 import difflib
 import itertools
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -153,7 +154,7 @@ def _check_keys(mapping: Mapping, allowed, where: str) -> None:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), list(allowed), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"{where}: unknown key {key!r}{hint}; allowed: {', '.join(allowed)}")
+            raise ConfigError(f"{where}: unknown key {short(key)}{hint}; allowed: {', '.join(allowed)}")
 
 
 def _parse_base(base: Any, source: str, root: Path | None) -> dict[str, str]:
@@ -176,7 +177,7 @@ def _file_setting(key: str, token: str, root: Path | None) -> str:
     if root is None or Path(token).is_absolute():
         return token
     candidate = root / token
-    if key in PATH_SETTINGS or (key in MAYBE_PATH_SETTINGS and candidate.exists()):
+    if key in PATH_SETTINGS or (key in MAYBE_PATH_SETTINGS and os.path.exists(candidate)):
         return str(candidate)
     return token
 
@@ -322,7 +323,7 @@ def plot_spec(metric: Any, x: Any, lines: Any, axes: tuple[str, ...], where: str
             except ConfigError:
                 pass  # not a setting at all: reported below as "not an axis"
         if key not in axes:
-            raise ConfigError(f"{where}.{field}: {value!r} is not an axis of the grid; choose one of "
+            raise ConfigError(f"{where}.{field}: {short(value)} is not an axis of the grid; choose one of "
                               f"{', '.join(axes) or '(none)'}")
         resolved.append(key)
     if resolved[0] == resolved[1]:
