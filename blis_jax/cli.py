@@ -1006,6 +1006,7 @@ def cmd_replay(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     header, requests = read_trace(args.trace_header, args.trace_data)
     if len(requests) == 0:
         raise ConfigError(f"--trace-data {args.trace_data}: no request records; the CSV has only a header row")
+    limits.check_requests(len(requests), "replay a part of the trace")
     scenario = resolve_scenario(args, diag, horizon_us=replay_horizon(args, requests))
     out, views = simulate(scenario, requests, args, stderr, with_views=True)
     replayed = dataclasses.replace(header, mode="replayed")

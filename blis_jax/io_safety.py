@@ -196,8 +196,13 @@ def _one_line(e: Exception) -> str:
 @contextlib.contextmanager
 def atomic_output(path: str | Path, mode: str = "w", **open_kwargs) -> Iterator[Any]:
     """Open a temporary file beside `path`; on success it replaces `path` (os.replace), on an
-    exception it is removed and `path` is left as it was."""
-    path = Path(path)
+    exception it is removed and `path` is left as it was. A symlink is followed (its target is
+    replaced, not the link); a device or pipe (/dev/stdout) is written directly."""
+    path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file():
+        with open(path, mode, **open_kwargs) as f:
+            yield f
+        return
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
         with os.fdopen(fd, mode, **open_kwargs) as f:
@@ -288,6 +293,8 @@ def _inputs(command: str, args) -> list[tuple[str, Path]]:
         for v in (value if isinstance(value, list) else [value]):
             if v and os.path.exists(v):  # --model / --hardware may be a bundled name, not a file
                 found.append((_flag(name), Path(v)))
+                if os.path.isdir(v):  # --model DIR reads DIR/config.json
+                    found.append((_flag(name), Path(v) / "config.json"))
     return found
 
 
@@ -326,6 +333,8 @@ def _check_writable(flag: str, path: Path, is_dir_member: bool) -> None:
     if is_dir_member:
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise ConfigError(f"{flag} {short_path(path)}: {short_path(parent, 40)!r} is a file, not a directory")
     if not parent.is_dir():
         raise ConfigError(f"{flag} {short_path(path)}: directory {short_path(parent, 40)!r} does not exist; "
                           "create it first")

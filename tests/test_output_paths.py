@@ -170,3 +170,14 @@ def test_distinct_outputs_are_written(files, tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     assert_unchanged(before)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_atomic_write_follows_symlinks_and_writes_devices_directly(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    atomic_write_text(link, "new\n")
+    assert link.is_symlink() and target.read_text() == "new\n"
+    atomic_write_text("/dev/null", "discarded\n")  # a device is not replaced by a regular file
+    assert not Path("/dev/null").is_file()

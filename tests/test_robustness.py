@@ -181,6 +181,15 @@ def test_utf8_bom_is_accepted(tmp_path):
     assert list(bom_requests.input_len) == list(plain_requests.input_len)
 
 
+def test_a_300_kB_cell_is_data_not_an_error(tmp_path):
+    """Python's csv module refuses cells over 128 kB by default; a long error_message is data."""
+    from blis_jax.workload.tracev2 import read_trace
+
+    header, data = write_trace_files(tmp_path, [trace_row(error_message="x" * 300_000)])
+    _, requests = read_trace(header, data)
+    assert len(requests) == 1 and list(requests.input_len) == [32]
+
+
 def test_write_failure_message_is_one_clean_line(tmp_path, monkeypatch):
     """A write that fails after the run (e.g. ENOSPC) is one `error: FILE: reason` line."""
     import errno

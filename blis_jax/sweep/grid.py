@@ -31,7 +31,7 @@ from typing import Any
 
 from blis_jax import limits
 from blis_jax.errors import ConfigError
-from blis_jax.io_safety import read_text, short
+from blis_jax.io_safety import clip, read_text, short
 from blis_jax.sweep import coefficient_axes, settings
 from blis_jax.sweep.table import METRICS
 from blis_jax.workload.spec import load_yaml
@@ -197,7 +197,7 @@ def _check_axis_values(key: str, values: Any, where: str) -> None:
         counts = collections.Counter()
     dupes = sorted(str(v) for v, c in counts.items() if c > 1)
     if dupes:
-        raise ConfigError(f"{where}: duplicate value(s) {short(', '.join(dupes))}; list each value once")
+        raise ConfigError(f"{where}: duplicate value(s) {clip(', '.join(dupes))}; list each value once")
     _check_values(key, values, where)
 
 
