@@ -164,7 +164,8 @@ def test_distinct_outputs_are_written(files, tmp_path):
     """The rule does not refuse a legitimate command: every output lands, inputs unchanged."""
     before = snapshot(files["header"], files["data"])
     rc, out, err = cli(*_replay(files, "--results-path", tmp_path / "r.json", "--metrics-path",
-                                tmp_path / "m.json", "--trace-output", tmp_path / "o", "--total-kv-blocks", "256"))
+                                tmp_path / "m.json", "--trace-output", tmp_path / "o", "--total-kv-blocks", "4096",
+                                "--horizon", "100000000"))
     assert rc == 0, err
     for name in ("r.json", "m.json", "o.yaml", "o.csv"):
         assert (tmp_path / name).stat().st_size > 0

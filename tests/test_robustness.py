@@ -133,8 +133,8 @@ ERRORS = {
         "version: '2'\ncategory: language\naggregate_rate: 5\ninference_perf:\n  stages: [{rate: 5, duration: 1}]\n"
         "  shared_prefix: {num_unique_system_prompts: 1000000000, num_users_per_system_prompt: 1,\n"
         "    system_prompt_len: 10, question_len: 10, output_len: 10}\n"))], ("system prompts", "GiB")),
-    "million-scenario sweep": (lambda t: ["sweep", _file(t, "g.yaml", "axes:\n  rate: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]\n"
-                                                          "  seed: [" + ", ".join(map(str, range(100_000))) + "]\n"),
+    "million-scenario sweep": (lambda t: ["sweep", _file(t, "g.yaml", "axes:\n  rate: [" + ", ".join(map(str, range(1, 1001)))
+                                                          + "]\n  seed: [" + ", ".join(map(str, range(1000))) + "]\n"),
                                           "--output-dir", t / "out"], ("1,000,000 scenarios", f"{MAX_SCENARIOS:,}")),
     "plan --candidates 1:40:1000000": (lambda t: ["plan", _file(t, "g.yaml", "base:\n  num-requests: 4\n"), "--slo",
                                                   "ttft_p99_ms=100", "--candidates", "1:40:1000000"],
@@ -202,7 +202,7 @@ def test_write_failure_message_is_one_clean_line(tmp_path, monkeypatch):
     monkeypatch.setattr(cli_module, "write_metrics_file", full)
     header, data = write_trace_files(tmp_path)
     rc, _, err = cli("replay", "--trace-header", header, "--trace-data", data, "--metrics-path", tmp_path / "m.json",
-                     "--total-kv-blocks", "256")
+                     "--total-kv-blocks", "4096", "--horizon", "100000000")
     line = assert_one_error_line(rc, err, "m.json", "No space left on device")
     assert "error::" not in line
 
@@ -247,6 +247,18 @@ def test_unservable_generated_requests_are_dropped_fast(tmp_path, flags):
     assert metrics["dropped_unservable"] == 5 and metrics["completed_requests"] == 0
 
 
+def test_huge_max_num_seqs_sizes_slots_by_the_requests():
+    import numpy as np
+
+    from blis_jax.engine.dims import MAX_PLAIN_SLOTS, choose_dims
+
+    common = dict(input_len=np.full(5, 32), output_len=np.full(5, 4), prefix_group=np.full(5, -1),
+                  prefix_len=np.zeros(5, int), max_num_batched_tokens=2048, total_kv_blocks=4096, block_size=16)
+    assert choose_dims(max_num_seqs=10**8, **common).batch_slots == MAX_PLAIN_SLOTS
+    assert choose_dims(max_num_seqs=256, **common).batch_slots == 256  # ordinary values unchanged
+
+
+@pytest.mark.slow
 def test_huge_max_num_seqs_runs_with_slots_bounded_by_the_requests(tmp_path):
     start = time.monotonic()
     rc, out, err = cli("run", "--num-requests", "5", "--total-kv-blocks", "4096", "--max-num-seqs", "100000000",

@@ -108,7 +108,7 @@ def _replay_case(rows, header_text, bom, drop_column, mutation=None):
     header, data = tmp / "t.yaml", tmp / "t.csv"
     header.write_text(header_text)
     data.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode())
-    argv = ["replay", "--trace-header", header, "--trace-data", data, "--total-kv-blocks", "512",
+    argv = ["replay", "--trace-header", header, "--trace-data", data, "--total-kv-blocks", "4096",
             "--horizon", str(10**8)]
     return tmp, argv, [header, data]
 
@@ -142,7 +142,7 @@ def test_generated_specs_keep_the_contract(num_requests, seed, rate, value, extr
         f"num_requests: {json.dumps(num_requests)}\nclients:\n- id: c\n  rate_fraction: 1\n"
         f"  arrival: {{process: constant}}\n  input_distribution: {{type: constant, params: {{value: {json.dumps(value)}}}}}\n"
         f"  output_distribution: {{type: constant, params: {{value: 4}}}}\n" + extra)
-    rc = _contract(tmp, ["run", "--workload-spec", spec, "--total-kv-blocks", "512", "--num-requests", "3"], [spec])
+    rc = _contract(tmp, ["run", "--workload-spec", spec, "--total-kv-blocks", "4096", "--num-requests", "3"], [spec])
     assert rc in (0, 2)
 
 
@@ -176,7 +176,7 @@ FREE_FLAGS = {"--seed": st.integers(-2**63, 2**63 - 1), "--horizon": st.integers
               "--num-requests": st.integers(1, 3), "--prompt-tokens": st.integers(1, 60),
               "--max-model-len": st.integers(40, 8192), "--long-prefill-token-threshold": st.integers(0, 64),
               "--max-memory-gib": st.floats(0.01, 64), "--gpu-memory-utilization": st.floats(0.05, 1)}
-SHAPE_FLAGS = {"--max-num-seqs": "256", "--max-num-batched-tokens": "2048", "--total-kv-blocks": "512",
+SHAPE_FLAGS = {"--max-num-seqs": "256", "--max-num-batched-tokens": "2048", "--total-kv-blocks": "4096",
                "--block-size-in-tokens": "16", "--tp": "1", "--prefix-tokens": "0", "--output-tokens-max": "16"}
 FLAG_VALUE = {**{f: st.one_of(s.map(str), HOSTILE_FLAG) for f, s in FREE_FLAGS.items()},
               **{f: st.one_of(st.just(v), HOSTILE_FLAG) for f, v in SHAPE_FLAGS.items()}}
@@ -187,7 +187,7 @@ FLAG_VALUE = {**{f: st.one_of(s.map(str), HOSTILE_FLAG) for f, s in FREE_FLAGS.i
     lambda names: st.fixed_dictionaries({n: FLAG_VALUE[n] for n in names})))
 def test_generated_flag_values_keep_the_contract(flags):
     tmp = Path(tempfile.mkdtemp(prefix="blis-prop-"))
-    base = {"--num-requests": "3", "--total-kv-blocks": "512", "--prompt-tokens": "32", "--prompt-tokens-stdev": "0",
+    base = {"--num-requests": "3", "--total-kv-blocks": "4096", "--prompt-tokens": "32", "--prompt-tokens-stdev": "0",
             "--output-tokens": "4", "--output-tokens-stdev": "0", "--prompt-tokens-max": "64",
             "--output-tokens-max": "16"}
     merged = {**base, **flags}
