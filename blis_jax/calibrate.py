@@ -33,7 +33,6 @@ the TTFT MAPE threshold check. Field names are BLIS's where the spec gives them 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path

@@ -13,7 +13,6 @@ Pure Python, no jax.
 
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
