@@ -33,7 +33,6 @@ the TTFT MAPE threshold check. Field names are BLIS's where the spec gives them 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,6 +41,8 @@ from typing import Any
 import numpy as np
 
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import load_json_text, read_text, short
+from blis_jax.limits import INT64_MAX
 from blis_jax.workload.requests import RequestSet
 
 METRICS = ("ttft", "e2e")
@@ -130,12 +131,7 @@ def observed_from_trace(requests: RequestSet, source: str = "trace") -> Observed
 
 
 def _read_json(path: str | Path, flag: str) -> Any:
-    try:
-        return json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot read ({e.strerror})") from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{flag} {path}: not valid JSON ({e})") from e
+    return load_json_text(read_text(path, f"{flag} {path}"), f"{flag} {path}")
 
 
 def read_sim_results(path: str | Path, flag: str = "--sim-results") -> SimResults:
@@ -153,10 +149,11 @@ def read_sim_results(path: str | Path, flag: str = "--sim-results") -> SimResult
             value = entry.get(name)
             if value is None:
                 raise ConfigError(f"{where}: entry {i} has no {name}")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ConfigError(f"{where}: entry {i}, {name}: {value!r} is not a finite number")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    abs(value) > INT64_MAX or not math.isfinite(value):
+                raise ConfigError(f"{where}: entry {i}, {name}: {short(value)} is not a finite number below 2^63")
             if name not in ("ttft_us", "e2e_us") and value != int(value):
-                raise ConfigError(f"{where}: entry {i}, {name}: {value!r} is not an integer")
+                raise ConfigError(f"{where}: entry {i}, {name}: {short(value)} is not an integer")
             values[name].append(value)
     ids = np.asarray(values["request_id"], dtype=np.int64)
     unique, counts = np.unique(ids, return_counts=True)

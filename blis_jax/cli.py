@@ -53,12 +53,15 @@ from blis_jax.engine import results as result_codes
 from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
 from blis_jax.engine.params import make_engine_params
 from blis_jax.engine.simulate import simulate_instance, simulate_sessions
+from blis_jax import limits
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import atomic_write_text, check_command_paths, short
 from blis_jax.latency import build_latency_model
 from blis_jax.output import format_pd_section, pd_summary, render_stdout, write_metrics_file, write_results_file
 from blis_jax.workload.distribution import (
     DEFAULT_TIMEOUT_S,
     OUTPUT_DEFAULT,
+    constant_iat_us,
     PROMPT_DEFAULT,
     DistributionWorkload,
     GaussianLength,
@@ -154,6 +157,7 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--progress", action="store_true",
                    help="print progress lines on stderr even when it is not a terminal "
                         "(on a terminal they appear for runs longer than a few seconds)")
+    add_memory_flag(g)
 
     g = p.add_argument_group("cluster: admission and routing")
     g.add_argument("--admission-policy", choices=ADMISSION_POLICIES, default="always-admit",
@@ -307,6 +311,12 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="write the simulated requests as a TraceV2: PREFIX.yaml + PREFIX.csv")
 
 
+def add_memory_flag(g) -> None:
+    g.add_argument("--max-memory-gib", type=float, default=None, metavar="GIB",
+                   help=f"memory budget of the size checks made before simulating (requests, engine buffers, "
+                        f"scenarios; default {limits.DEFAULT_BUDGET_GIB:g}): a larger input is refused up front")
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (run only)")
     g.add_argument("--workload", choices=WORKLOADS, default="distribution",
@@ -423,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not use JAX's persistent compilation cache (default: on, in "
                              "$XDG_CACHE_HOME/blis-jax/jax-cache; env BLIS_JAX_COMPILE_CACHE=DIR or 0)")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{run,replay,convert,compose,calibrate,sweep,plan,fit,sensitivity,observe}",
+                                metavar="{run,replay,convert,compose,calibrate,sweep,plan,fit,sensitivity,observe,models}",
                                 parser_class=_Parser)
     sub.required = True
     run = sub.add_parser("run", allow_abbrev=False, help="generate a workload and simulate it",
@@ -442,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fit_parser(sub)
     _add_sensitivity_parser(sub)
     _add_observe_parser(sub)
+    models = sub.add_parser("models", allow_abbrev=False, help="list the bundled models and GPUs",
+                            description="List the bundled model ids (for --model) and GPU names (--hardware).")
+    _add_log_flag(models)
     return parser
 
 
@@ -544,8 +557,13 @@ class ProgressReporter:
             self.stream.flush()
 
 
+MAX_MESSAGE = 300  # an error line longer than this is cut (offending values are already shortened)
+
+
 def _one_line(message: str) -> str:
-    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    text = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 3] + "..."
+
 
 
 # --------------------------------------------------------------------------- configuration
@@ -668,6 +686,11 @@ def _latency_coefficients(args) -> tuple[str, tuple | None, tuple | None]:
 
 def _hardware_and_tp(args, hf_id: str) -> tuple[str, int]:
     defaults = MODEL_DEFAULTS.get(hf_id.lower()) or MODEL_DEFAULTS.get(str(args.model).lower())
+    for flag, value in (("--hardware", args.hardware), ("--prefill-hardware", args.prefill_hardware),
+                        ("--decode-hardware", args.decode_hardware)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag}: empty GPU name; give a bundled GPU (e.g. H100) or a GPU YAML path, "
+                              "or omit the flag")
     hardware = args.hardware or (defaults[0] if defaults else DEFAULT_HARDWARE)
     if args.tp is not None and args.tp < 0:
         raise ConfigError(f"--tp {args.tp}: the tensor-parallel degree must be >= 1 (0 = model default)")
@@ -680,6 +703,8 @@ def _kv_blocks(args, arch, gpu, tp: int, diag: Diagnostics) -> int:
         if args.total_kv_blocks < 1:
             raise ConfigError(f"--total-kv-blocks {args.total_kv_blocks}: must be >= 1 "
                               "(omit it to auto-size from GPU memory)")
+        limits.check_int("--total-kv-blocks", args.total_kv_blocks, 1, limits.MAX_KV_BLOCKS,
+                         " (block ids are 32-bit; raise --block-size-in-tokens instead)")
         return args.total_kv_blocks
     try:
         return auto_kv_blocks(arch, gpu, tp, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -703,6 +728,10 @@ def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> Scenari
         raise ConfigError(f"--horizon {args.horizon}: must be > 0 µs (omit it for no horizon)")
     if args.block_size_in_tokens < 1:
         raise ConfigError(f"--block-size-in-tokens {args.block_size_in_tokens}: must be >= 1")
+    limits.check_int("--block-size-in-tokens", args.block_size_in_tokens, 1, limits.MAX_BLOCK_SIZE,
+                     " tokens (vLLM uses 16 to 256)")
+    limits.check_int("--max-model-len", args.max_model_len, 0, limits.MAX_TOKENS, " tokens (0 = auto)")
+    limits.check_int("--max-num-batched-tokens", args.max_num_batched_tokens, 1, limits.MAX_TOKENS)
     util = args.gpu_memory_utilization
     if not (math.isfinite(util) and 0.0 < util <= 1.0):
         raise ConfigError(f"--gpu-memory-utilization {util}: must be in (0, 1], e.g. 0.9")
@@ -816,7 +845,8 @@ def run_workload(args, diag: Diagnostics) -> DistributionWorkload:
 
 def replay_horizon(args, requests: RequestSet) -> int | None:
     """Explicit --horizon, else BLIS's replay default: 2 × the latest injection time
-    (no horizon when every request is injected at time 0)."""
+    (no horizon when every request is injected at time 0). Trace times are at most
+    limits.MAX_TIME_US, so the doubled time fits int64."""
     if args.horizon is not None:
         return args.horizon
     latest = int(requests.arrival_us.max()) if len(requests) else 0
@@ -926,17 +956,29 @@ def resolve_run_sessions(args, diag: Diagnostics):
         from blis_jax.workload.generate import generate_workload
         from blis_jax.workload.sessions import closed_loop_requests
 
+        from blis_jax.workload.spec import load_spec
+
         if args.timeout is not None and args.timeout == 0:
             raise ConfigError("--timeout 0 is not allowed: give seconds > 0, or a negative value to disable")
+        _check_run_numbers(args)
+        spec = load_spec(args.workload_spec)
+        limits.check_requests(_spec_request_estimate(spec, args), "lower num_requests (or --num-requests) "
+                              "or the horizon")
         scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
         seed = None if isinstance(args.seed, DefaultSeed) else args.seed
-        generated = generate_workload(args.workload_spec, seed, num_requests=args.num_requests,
+        generated = generate_workload(spec, seed, num_requests=args.num_requests,
                                       horizon_us=args.horizon, timeout_s=args.timeout, sessions="first_round")
         requests = generated.requests
         if generated.sessions:
             requests, sessions = closed_loop_requests(generated)
     else:
+        _check_run_numbers(args)
         workload = run_workload(args, diag)
+        n = workload.num_requests
+        if workload.horizon_us is not None:
+            by_horizon = workload.horizon_us // constant_iat_us(workload.rate)
+            n = by_horizon if n == 0 else min(n, by_horizon)
+        limits.check_requests(n, "lower --num-requests" if n == workload.num_requests else "shorten --horizon")
         scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
         requests = generate_distribution(workload, args.seed)
     if len(requests) == 0:
@@ -945,11 +987,44 @@ def resolve_run_sessions(args, diag: Diagnostics):
     return scenario, requests, sessions
 
 
+def _check_run_numbers(args) -> None:
+    """Ranges of `run`'s workload flags (times and lengths inside the engine's int64 sums)."""
+    if args.timeout is not None and abs(args.timeout) * 1e6 > limits.MAX_TIME_US:
+        raise ConfigError(f"--timeout {args.timeout:g}: at most {limits.MAX_TIME_US / 1e6:.3g} s "
+                          "(a negative value disables timeouts)")
+    if args.num_requests is not None:
+        limits.check_int("--num-requests", args.num_requests, 0, limits.INT64_MAX)
+    for flag in ("prefix_tokens", "prompt_tokens_min", "prompt_tokens_max", "output_tokens_min",
+                 "output_tokens_max"):
+        value = getattr(args, flag)
+        if value is not None and value > limits.MAX_TOKENS:
+            limits.check_int("--" + flag.replace("_", "-"), value, 0, limits.MAX_TOKENS, " tokens")
+    for flag in ("prompt_tokens", "prompt_tokens_stdev", "output_tokens", "output_tokens_stdev"):
+        value = getattr(args, flag)
+        if value is not None and abs(value) > limits.MAX_TOKENS:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value:g}: at most {limits.MAX_TOKENS:,} tokens")
+
+
+def _spec_request_estimate(spec, args) -> int:
+    """Requests a spec will generate (before generating them): the count, else rate x horizon."""
+    n = args.num_requests if args.num_requests is not None else spec.num_requests
+    if n:
+        return n
+    horizon = args.horizon or spec.horizon
+    estimate = 0
+    if horizon and spec.aggregate_rate:
+        estimate = int(spec.aggregate_rate * horizon / 1e6)
+    if spec.inference_perf is not None:
+        estimate = max(estimate, int(sum(s.rate * s.duration for s in spec.inference_perf.stages)))
+    return estimate
+
+
 def cmd_replay(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     _check_output_paths(args)
     header, requests = read_trace(args.trace_header, args.trace_data)
     if len(requests) == 0:
         raise ConfigError(f"--trace-data {args.trace_data}: no request records; the CSV has only a header row")
+    limits.check_requests(len(requests), "replay a part of the trace")
     scenario = resolve_scenario(args, diag, horizon_us=replay_horizon(args, requests))
     out, views = simulate(scenario, requests, args, stderr, with_views=True)
     replayed = dataclasses.replace(header, mode="replayed")
@@ -983,7 +1058,7 @@ def _emit_spec(spec, output: str | None, stdout: TextIO) -> None:
 
     text = dump_spec(spec)
     if output:
-        Path(output).write_text(text)
+        atomic_write_text(output, text)
     else:
         stdout.write(text)
         stdout.flush()
@@ -1075,7 +1150,7 @@ def cmd_calibrate(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> in
     report = calibrate.calibration_report(
         pairs, network, goodput_targets=header.goodput_slo_targets, hit_rates=hit_rates,
         hit_rate_tolerance_pp=args.hit_rate_tolerance_pp, ttft_mape_threshold=args.ttft_mape_threshold)
-    Path(args.report).write_text(go_json(report) + "\n")
+    atomic_write_text(args.report, go_json(report) + "\n")
     stdout.write(calibrate.format_summary(report))
     stdout.flush()
     if not report["checks"]["ttft_mape_within_threshold"]:
@@ -1087,10 +1162,17 @@ def cmd_calibrate(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> in
     return 0
 
 
+def cmd_models(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    stdout.write("models (--model):\n" + "".join(f"  {m}\n" for m in bundled_model_ids()))
+    stdout.write("GPUs (--hardware):\n" + "".join(f"  {g}\n" for g in bundled_gpu_names()))
+    stdout.flush()
+    return 0
+
+
 COMMANDS: dict[str, Callable] = {"run": cmd_run, "replay": cmd_replay, "convert": cmd_convert,
                                  "compose": cmd_compose, "calibrate": cmd_calibrate,
                                  "sweep": cmd_sweep, "plan": cmd_plan, "fit": cmd_fit,
-                                 "sensitivity": cmd_sensitivity, "observe": cmd_observe}
+                                 "sensitivity": cmd_sensitivity, "observe": cmd_observe, "models": cmd_models}
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
@@ -1107,12 +1189,15 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
         return EXIT_USAGE
     except SystemExit as e:  # --help / --version
         return int(e.code or 0)
-    diag = Diagnostics(stderr, level=args.log)
+    diag = Diagnostics(stderr, level=getattr(args, "log", "warn"))
     if argv is None and not args.no_compile_cache:  # a real command line, not a library call
         from blis_jax.compile_cache import enable_compile_cache
 
         enable_compile_cache(diag)
     try:
+        _check_flag_numbers(args)
+        limits.configure(getattr(args, "max_memory_gib", None))
+        check_command_paths(args.command, args)  # no output overwrites an input or another output
         return COMMANDS[args.command](args, stdout, stderr, diag)
     except ConfigError as e:
         stderr.write(f"{PROG} {args.command}: error: {_one_line(str(e))}\n")
@@ -1121,15 +1206,34 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
         _silence_stdout()
         return EXIT_FAILURE
     except OSError as e:
-        where = f" {e.filename}" if e.filename else ""
-        stderr.write(f"{PROG} {args.command}: error:{where}: {e.strerror or e}\n")
+        where = f" {short(str(e.filename), 80)}:" if e.filename else ""
+        stderr.write(f"{PROG} {args.command}: error:{where} {_one_line(e.strerror or str(e))}\n")
         return EXIT_USAGE
     except SimulationFailed as e:
         stderr.write(f"{PROG} {args.command}: error: {_one_line(str(e))}\n")
         return EXIT_FAILURE
+    except (OverflowError, RecursionError, UnicodeError, MemoryError) as e:
+        # A backstop: an input value beyond what some check foresaw. Still one line, no traceback.
+        stderr.write(f"{PROG} {args.command}: error: an input is out of range ({type(e).__name__}: "
+                     f"{_one_line(str(e))[:120]}); check the sizes and numbers given, and please report "
+                     "the command line\n")
+        return EXIT_USAGE
     except KeyboardInterrupt:
         stderr.write(f"\n{PROG} {args.command}: interrupted\n")
         return 130
+
+
+def _check_flag_numbers(args) -> None:
+    """Every numeric flag: an integer fits int64, a real number is finite (argparse accepts
+    `inf`, `nan` and 30-digit integers; each would fail later with a traceback or overflow)."""
+    for name, value in vars(args).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+            raise ConfigError(f"{flag} {short(str(value), 24)}: beyond 64-bit integers; give a value below 2^63")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flag} {value}: must be a finite number")
 
 
 def _silence_stdout() -> None:

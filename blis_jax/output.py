@@ -19,6 +19,7 @@ import numpy as np
 
 from blis_jax.engine.output import SimOutput
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import atomic_write_text
 from blis_jax.metrics import (
     GOODPUT_KEYS,
     AnomalyCounters,
@@ -229,11 +230,11 @@ def results_file_text(out: SimOutput, requests: RequestSet) -> str:
 
 def write_metrics_file(path: str | Path, out: SimOutput, requests: RequestSet,
                        goodput_targets: Mapping[str, Mapping[str, float]] | None = None) -> None:
-    Path(path).write_text(metrics_file_text(out, requests, goodput_targets))
+    atomic_write_text(path, metrics_file_text(out, requests, goodput_targets))
 
 
 def write_results_file(path: str | Path, out: SimOutput, requests: RequestSet) -> None:
-    Path(path).write_text(results_file_text(out, requests))
+    atomic_write_text(path, results_file_text(out, requests))
 
 
 # ----------------------------------------------------------------------------- PD metrics

@@ -273,7 +273,7 @@ def _write_trace(tmp_path: Path, drop_column: str | None = None, **cells) -> lis
 ERROR_CASES = {
     "unknown scheduler": (["run", "--scheduler", "lottery"], "--scheduler"),
     "negative rate": (["run", "--rate", "-1"], "--rate"),
-    "unknown model": (["run", "--model", "acme/imaginary-7b"], "meta-llama/Llama-3.1-8B-Instruct"),
+    "unknown model": (["run", "--model", "acme/imaginary-7b"], "`blis-jax models` lists them"),
     "alpha without beta": (["run", "--alpha-coeffs", "1,2,3"], "--beta-coeffs"),
     "NaN coefficient": (["run", "--alpha-coeffs", "nan,777.35,45.91", "--beta-coeffs", DEFAULT_BETA],
                         "--alpha-coeffs"),
@@ -320,10 +320,13 @@ def test_bad_input_one_line_exit_2(name, capsys):
     _assert_one_error_line(rc, captured.out, captured.err, needle)
 
 
-def test_unknown_model_lists_bundled_ids(capsys):
+def test_unknown_model_points_to_the_models_command(capsys):
     main(["run", "--model", "acme/imaginary-7b"])
     err = capsys.readouterr().err
-    assert "unknown model" in err and "Qwen/Qwen3-14B" in err
+    assert "unknown model" in err and "14 bundled models" in err and len(err) < 250
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen/Qwen3-14B" in out and "meta-llama/Llama-3.1-8B-Instruct" in out and "H100" in out
 
 
 @pytest.mark.parametrize("drop, cells, needle", [

@@ -9,11 +9,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from blis_jax.config.bundled import bundled_dir
 from blis_jax.config.yaml_files import read_yaml_file
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import short
 
 FITS_DIR = bundled_dir("fits")
 DEFAULT_FIT = FITS_DIR / "trained-physics-iter29.yaml"
@@ -45,15 +47,16 @@ def _finite_values(values: Any, what: str) -> tuple[float, ...]:
             raise ConfigError(f"{what} must be a list of numbers, got {values!r}") from None
     out = []
     for i, v in enumerate(values):
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        # A string ("1.5") or a boolean is not a number, even where float() would accept it;
+        # numpy scalars (a fitted vector) are.
+        ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+        try:
+            ok = ok and math.isfinite(float(v))
+        except OverflowError:
+            ok = False
         if not ok:
-            try:
-                v = float(v)  # numpy scalars
-                ok = True
-            except (TypeError, ValueError):
-                ok = False
-        if not ok or not math.isfinite(float(v)):
-            raise ConfigError(f"{what}[{i}] = {v!r} must be a finite number")
+            raise ConfigError(f"{what}[{i}] = {short(v)} must be a finite number"
+                              + (f", not {type(v).__name__}" if isinstance(v, (str, bool)) else ""))
         out.append(float(v))
     return tuple(out)
 
@@ -82,6 +85,12 @@ def padded_alpha(alpha: Sequence[float]) -> tuple[float, ...]:
 def check_beta(beta: Any, min_len: int = MIN_BETA) -> tuple[float, ...]:
     """Validate beta: 7..11 finite numbers (ConfigError names the index)."""
     values = _finite_values(beta, "beta")
+    negative = [i for i, v in enumerate(values) if v < 0]
+    if negative:
+        # A negative beta would make some step times negative, which the latency model would
+        # clamp into plausible-looking but meaningless latencies.
+        raise ConfigError(f"beta[{negative[0]}] = {values[negative[0]]!r} is negative; every beta is a time "
+                          "per unit of work and must be >= 0")
     if not min_len <= len(values) <= MAX_BETA:
         raise ConfigError(
             f"beta has {len(values)} values; trained-physics needs {min_len} to {MAX_BETA} "

@@ -13,6 +13,7 @@ import yaml
 
 from blis_jax.config.bundled import bundled_dir
 from blis_jax.config.yaml_files import read_yaml_file
+from blis_jax.io_safety import short
 from blis_jax.errors import ConfigError
 
 HARDWARE_DIR = bundled_dir("hardware")
@@ -87,10 +88,11 @@ def load_gpu(name_or_path: str | Path) -> GPUSpec:
         data = _read_yaml(candidate)
         if str(data.get("name", "")).lower() == wanted:
             return gpu_from_dict(data, where=str(candidate))
+    if not str(name_or_path).strip():
+        raise ConfigError("--hardware: empty GPU name; give a bundled GPU (e.g. H100) or a GPU YAML path")
     raise ConfigError(
-        f"unknown GPU {str(name_or_path)!r}; bundled GPUs: {', '.join(bundled_gpu_names())}. "
-        "To add one, write a YAML file with keys name, tflops_peak, tflops_fp8, "
-        "hbm_bandwidth_tbs, mfu_prefill, mfu_decode, memory_gib and pass its path"
+        f"unknown GPU {short(str(name_or_path))}; bundled GPUs: {', '.join(bundled_gpu_names())}; "
+        "or pass the path of a GPU YAML (keys: see configs/hardware/H100.yaml)"
     )
 
 

@@ -13,7 +13,6 @@ Pure Python, no jax.
 
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +23,7 @@ import yaml
 from blis_jax.config.bundled import bundled_dir
 from blis_jax.config.quantization import activation_bytes, detect_weight_bytes, torch_dtype_of
 from blis_jax.config.yaml_files import read_yaml_file
+from blis_jax.io_safety import load_json_text, read_text, short, summarise
 from blis_jax.errors import ConfigError
 
 MODELS_DIR = bundled_dir("models")
@@ -96,6 +96,16 @@ class ModelArch:
         for field in required + ("bytes_per_param", "weight_bytes_per_param"):
             if getattr(self, field) <= 0:
                 raise ConfigError(f"model {self.name!r}: field {field} must be > 0")
+        # Fields the step-time and KV maths divide by (d / H, H / H_kv).
+        if self.num_kv_heads > self.num_heads:
+            raise ConfigError(f"model {self.name!r}: num_key_value_heads {self.num_kv_heads} is more than "
+                              f"num_attention_heads {self.num_heads}; it must be at most that (and divide it)")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model {self.name!r}: num_key_value_heads {self.num_kv_heads} does not divide "
+                              f"num_attention_heads {self.num_heads}; each KV head serves a whole group")
+        if not self.head_dim and self.hidden_size % self.num_heads:
+            raise ConfigError(f"model {self.name!r}: num_attention_heads {self.num_heads} does not divide "
+                              f"hidden_size {self.hidden_size}; fix them or give head_dim")
 
     # Derived quantities (spec latency-models §0 notation).
     @property
@@ -180,8 +190,8 @@ def arch_from_hf_config(
             return 0
         if isinstance(value, float) and value.is_integer():
             value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"model {label!r}: field {key} = {value!r} must be an integer >= 0")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 2**53:
+            raise ConfigError(f"model {label!r}: field {key} = {short(value)} must be an integer in [0, 2^53]")
         if required and value == 0:
             raise ConfigError(f"model {label!r}: field {key} must be > 0")
         return value
@@ -339,17 +349,14 @@ def load_model(id_or_path: str | Path, *, name: str | None = None) -> ModelArch:
     if candidate.is_file():
         return arch_from_dict(_read_yaml(candidate), where=str(candidate))
     raise ConfigError(
-        f"unknown model {str(id_or_path)!r} (lookup key {key!r}); bundled models: "
-        f"{', '.join(bundled_model_ids())}. For another model pass the path to its "
-        "HuggingFace config.json (or the directory holding it) or to a blis-jax model YAML"
+        f"unknown model {short(str(id_or_path))}; "
+        f"{summarise(bundled_model_ids(), 'bundled models', '`blis-jax models` lists them')}; "
+        "or pass the path to a HF config.json or a blis-jax model YAML"
     )
 
 
 def _load_hf_json(path: Path, name: str | None) -> ModelArch:
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model config {path}: not valid JSON ({e})") from e
+    config = load_json_text(read_text(path, f"model config {path}"), f"model config {path}")
     label = name or path.resolve().parent.name
     return arch_from_hf_config(config, label, source=f"HuggingFace config {path}")
 

@@ -13,11 +13,11 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import yaml
+from blis_jax.io_safety import load_yaml_text, read_text
 
 
 def read_yaml_file(path: str | Path) -> Any:
-    """`yaml.safe_load` of the file (raises OSError / yaml.YAMLError as reading it would)."""
+    """`yaml.safe_load` of the file (raises ConfigError for an unreadable or malformed file)."""
     path = Path(path).resolve()
     stat = path.stat()
     return copy.deepcopy(_parsed(path, stat.st_size, stat.st_mtime_ns))
@@ -26,5 +26,5 @@ def read_yaml_file(path: str | Path) -> Any:
 @functools.lru_cache(maxsize=256)
 def _parsed(path: Path, size: int, mtime_ns: int) -> Any:
     del size, mtime_ns  # part of the cache key only
-    with open(path) as f:
-        return yaml.safe_load(f)
+    # UTF-8 only, bounded size, nesting and alias expansion (errors: one ConfigError line).
+    return load_yaml_text(read_text(path, str(path)), str(path))

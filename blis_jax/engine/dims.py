@@ -14,7 +14,10 @@ import math
 
 import numpy as np
 
+from blis_jax.limits import check_engine
+
 SCHEDULERS = ("fcfs", "priority-fcfs", "sjf")
+MAX_PLAIN_SLOTS = 4096  # running-batch slots are capped at max(requests, this)
 PREEMPTION_POLICIES = ("fcfs", "priority")
 
 
@@ -90,6 +93,7 @@ def choose_dims(
     num_sessions: int = 0,
     trace_steps: bool = False,
     batch_start: int | None = None,
+    max_model_len: int = 0,
 ) -> EngineDims:
     """Pick bucketed capacities for a request set and engine settings.
 
@@ -102,19 +106,31 @@ def choose_dims(
     max-num-seqs) instead of max-num-seqs: a lightly loaded run then runs narrow, and one that
     fills its slots reports BATCH_FULL and is rerun wider (the sweep's lanes; per-iteration cost
     grows with the slots).
+    `max_model_len` (0 = unlimited) and `total_kv_blocks` decide which requests the enqueue
+    guard drops as unservable (events.enqueue): those never take a block-table row, a prefix
+    block or a step, so they do not size the buffers (one absurd request would otherwise make
+    every step of the run slow, or its buffers not fit in memory).
+    The result is checked against the memory budget (limits.check_engine).
     """
     n = len(input_len)
-    max_tokens = int(np.max(input_len + output_len)) if n else 1
+    served = servable(input_len, output_len, max_model_len, total_kv_blocks, block_size)
+    inputs, outputs = np.asarray(input_len, np.int64)[served], np.asarray(output_len, np.int64)[served]
+    max_tokens = int(np.max(inputs + outputs)) if len(inputs) else 1
     per_request = math.ceil((max_tokens + 2) / block_size) + 1
+    # More slots than requests are never used (a bound only for absurd --max-num-seqs values:
+    # ordinary ones keep their own bucket, so they share compiled programs as before).
+    max_num_seqs = min(max_num_seqs, max(bucket(n), MAX_PLAIN_SLOTS))
     batch = bucket(max_num_seqs if batch_start is None else min(max_num_seqs, batch_start * growth))
     kv = bucket(total_kv_blocks, 16)
     groups = int(prefix_group.max()) + 1 if n and prefix_group.max() >= 0 else 1
-    shared = int((prefix_len // block_size).max()) if n else 0
+    prefixes = np.asarray(prefix_len, np.int64)[served]
+    shared = int((prefixes // block_size).max()) if len(prefixes) else 0
     # One step allocates at most: every prefill chunk under the token budget, plus one block per
     # running request (a decode crossing a block boundary, or the partial end of a chunk).
-    chunk_blocks = max_num_batched_tokens // block_size + 2
+    # (Never more than the pool: a huge --max-num-batched-tokens must not size this buffer.)
+    chunk_blocks = min(max_num_batched_tokens // block_size, total_kv_blocks) + 2
     alloc = bucket(chunk_blocks + batch)
-    return EngineDims(
+    dims = EngineDims(
         num_requests=bucket(n),
         batch_slots=batch,
         preempted_slots=bucket(min(batch, max(n, 1)) * growth),
@@ -125,7 +141,7 @@ def choose_dims(
         free_ring=bucket(2 * kv * growth),
         prefix_groups=bucket(groups, 1),
         prefix_blocks=bucket(shared + 1, 1),
-        step_log=fine_bucket(_whole_run_steps(input_len, output_len, max_num_batched_tokens) * growth
+        step_log=fine_bucket(_whole_run_steps(inputs, outputs, max_num_batched_tokens) * growth
                              if step_log is None else step_log),
         run_log=bucket(max(64, n // 16) * growth),
         block_size=int(block_size),
@@ -137,6 +153,18 @@ def choose_dims(
         window=bucket(min(max(n, 1), 4096) * growth),
         inbox=64 * growth,
     )
+    check_engine(dims)
+    return dims
+
+
+def servable(input_len: np.ndarray, output_len: np.ndarray, max_model_len: int, total_kv_blocks: int,
+             block_size: int) -> np.ndarray:
+    """Requests the enqueue guard keeps (BLIS EnqueueRequest guards 1-2; events.enqueue)."""
+    inputs, outputs = np.asarray(input_len, np.int64), np.asarray(output_len, np.int64)
+    ok = -(-inputs // block_size) <= total_kv_blocks
+    if max_model_len > 0:
+        ok &= (inputs < max_model_len) & ~((outputs > 0) & (inputs + outputs > max_model_len))
+    return ok
 
 
 def _whole_run_steps(input_len: np.ndarray, output_len: np.ndarray, max_num_batched_tokens: int) -> int:

@@ -268,6 +268,7 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
             step_log=events_per_chunk,  # read after every chunk, which has at most this many steps
             num_sessions=sessions.num_sessions if sessions is not None else 0,
             trace_steps=trace_steps,
+            max_model_len=int(params.max_model_len),
         )
         req = request_arrays(requests, dims, sessions)
         inputs = jax.device_put((params, req, model))

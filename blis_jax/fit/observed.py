@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import load_json_text, read_text
 
 PREDICTION_BLOCKS = ("blis_trained_physics", "blis_roofline")
 LOSS_DEFINITION = "RMSE over experiments of APE(mean TTFT) + RMSE of APE(mean E2E), in percent"
@@ -221,9 +221,7 @@ def load_observed(path: str | Path, flag: str = "--observed") -> ObservedSet:
     if not path.is_file():
         raise ConfigError(f"{flag} {path}: file does not exist (the 15 observed experiments are in "
                           "../shared/reference/observed/trainval15.json)")
+    text = read_text(path, f"{flag} {path}")
     blob = path.read_bytes()
-    try:
-        data = json.loads(blob)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{flag} {path}: not valid JSON ({e})") from None
+    data = load_json_text(text, f"{flag} {path}")
     return parse_observed(data, str(path), hashlib.sha256(blob).hexdigest())

@@ -25,6 +25,7 @@ from blis_jax.fit.fit import (
     split,
 )
 from blis_jax.fit.observed import LOSS_DEFINITION
+from blis_jax.io_safety import atomic_output, atomic_write_text
 
 HEADER = """\
 # Trained-physics latency coefficients (blis-jax format; see blis_jax/config/coefficients.py).
@@ -132,7 +133,7 @@ def coefficient_document(*, name: str, result: FitResult, exps: Sequence[Prepare
 
 
 def write_coefficients(path: str | Path, doc: dict) -> None:
-    Path(path).write_text(HEADER + yaml.safe_dump(doc, sort_keys=False, width=110, allow_unicode=True))
+    atomic_write_text(path, HEADER + yaml.safe_dump(doc, sort_keys=False, width=110, allow_unicode=True))
 
 
 # --------------------------------------------------------------------------- text tables
@@ -238,7 +239,8 @@ def plot_predicted_vs_observed(path: str | Path, exps: Sequence[Prepared], resul
     fig.suptitle(f"blis-jax fit: loss {result.start.loss:.2f} % → {result.best.loss:.2f} % "
                  f"({len(exps)} experiments, simulated)")
     fig.tight_layout(rect=(0, 0.07, 1, 0.96))
-    fig.savefig(path, dpi=110)
+    with atomic_output(path, "wb") as f:
+        fig.savefig(f, dpi=110, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
 
 
@@ -261,7 +263,7 @@ def write_report(directory: str | Path, exps: Sequence[Prepared], result: FitRes
     if cv is not None:
         report["cv"] = cv_document(cv, num_betas)
     paths = [directory / "report.json", directory / "report.md", directory / PLOT_FILE]
-    paths[0].write_text(json.dumps(report, indent=1) + "\n")
+    atomic_write_text(paths[0], json.dumps(report, indent=1) + "\n")
     md = ["# blis-jax fit report", "", f"`{doc['command']}`", "", loss_lines(result, reference),
           "## Per experiment (mean latencies in ms, APE in %)", "", experiment_table(exps, result),
           "## Coefficients", "", coefficient_table(result.start.theta, result.theta, num_betas, free),
@@ -274,6 +276,6 @@ def write_report(directory: str | Path, exps: Sequence[Prepared], result: FitRes
     if cv is not None:
         md += ["", "## Cross-validation", "", cv_table(cv)]
     md += ["", f"![predicted vs observed]({PLOT_FILE})", ""]
-    paths[1].write_text("\n".join(md))
+    atomic_write_text(paths[1], "\n".join(md))
     plot_predicted_vs_observed(paths[2], exps, result)
     return paths

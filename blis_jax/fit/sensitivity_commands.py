@@ -10,6 +10,7 @@ import math
 from typing import TextIO
 
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import atomic_output
 from blis_jax.fit import sensitivity as S
 
 
@@ -117,7 +118,7 @@ def cmd_sensitivity(args, stdout: TextIO, stderr: TextIO, diag) -> int:
                             "latency_model": scenario.latency_kind, "requests": len(base.requests),
                             "completed_requests": base.metrics["completed_requests"]},
                **table.to_dict()}
-        with open(args.output, "w") as fh:
+        with atomic_output(args.output, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2)
             fh.write("\n")
         stdout.write(f"sensitivities: {args.output}\n")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
+from blis_jax.io_safety import atomic_write_text
 from blis_jax.observe.dispatcher import Record
 from blis_jax.observe.http_request import vllm_priority
 from blis_jax.observe.workload import ObservedWorkload
@@ -105,8 +105,8 @@ def _dimension_order(item) -> int:
 
 def write_observed_trace(header_path: str, data_path: str, header: TraceHeader, w: ObservedWorkload,
                          records: Sequence[Record]) -> None:
-    Path(header_path).write_text(format_header(header))
-    Path(data_path).write_text(format_trace_csv(w, records), newline="")
+    atomic_write_text(header_path, format_header(header))
+    atomic_write_text(data_path, format_trace_csv(w, records), newline="")
 
 
 def itl_path(trace_data: str, itl_output: str | None) -> str:
@@ -126,4 +126,4 @@ def itl_records(records: Sequence[Record]) -> list[tuple[int, int, int]]:
 
 
 def write_itl(path: str, itl: Sequence[tuple[int, int, int]]) -> None:
-    Path(path).write_text(csv_text([ITL_COLUMNS, *itl]), newline="")
+    atomic_write_text(path, csv_text([ITL_COLUMNS, *itl]), newline="")

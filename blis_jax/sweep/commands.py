@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TextIO
 
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import short
 from blis_jax.sweep import plan as planning
 from blis_jax.sweep import plots, sharding, table
 from blis_jax.sweep.grid import Grid, load_grid, plot_spec
@@ -77,6 +78,9 @@ def _add_batch_flags(p: argparse.ArgumentParser, part: bool = True) -> None:
                         "(the answers are identical; for timing the engine alone)")
     g.add_argument("--progress", action="store_true",
                    help="progress lines on stderr even when it is not a terminal")
+    from blis_jax.cli import add_memory_flag
+
+    add_memory_flag(g)
     g.add_argument("--log", default="warn", metavar="LEVEL",
                    choices=("trace", "debug", "info", "warn", "warning", "error", "fatal", "panic"),
                    help="stderr verbosity (default warn)")
@@ -109,14 +113,19 @@ def _parse_part(text: str | None) -> tuple[int, int] | None:
     if text == "auto":
         import jax
 
-        jax.distributed.initialize()  # cluster settings from the environment (SLURM, etc.)
+        try:
+            jax.distributed.initialize()  # cluster settings from the environment (SLURM, etc.)
+        except Exception as e:  # noqa: BLE001 - jax raises ValueError/RuntimeError by cluster type
+            del e  # jax's text is long and about its internals
+            raise ConfigError("--part auto: jax.distributed.initialize() failed (no multi-host environment found); "
+                              "run it under SLURM or another JAX cluster, or give K/N such as 0/4") from None
         return jax.process_index(), jax.process_count()
     try:
         k, n = (int(x) for x in text.split("/"))
     except ValueError:
         k, n = -1, 0
     if not (n >= 1 and 0 <= k < n):
-        raise ConfigError(f"--part {text!r}: give K/N with 0 <= K < N (e.g. 0/4), or auto")
+        raise ConfigError(f"--part {short(text)}: give K/N with 0 <= K < N (e.g. 0/4), or auto")
     return k, n
 
 

@@ -19,15 +19,20 @@ strict: an unknown key or a mistyped value raises a ConfigError naming it and th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import itertools
+import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from blis_jax import limits
 from blis_jax.config.bundled import bundled_dir
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import clip, read_text, short, short_path
 from blis_jax.sweep import coefficient_axes, settings
 from blis_jax.sweep.table import METRICS
 from blis_jax.workload.spec import load_yaml
@@ -96,6 +101,7 @@ class Grid:
         _check_axis_values(key, values, f"{self.source}: axes.{key}")
         others = [a for a in self.axes if a != key]
         rest = _unique_combos(self.combos, others)
+        limits.check_scenarios(len(rest) * len(values), "give fewer --candidates or shrink the grid's other axes")
         combos = tuple({**c, key: v} for c in rest for v in values)
         _check_scenarios(self.base, combos, self.source)
         return dataclasses.replace(self, axes=(*others, key), combos=combos)
@@ -116,12 +122,11 @@ def _unique_combos(combos, keys) -> list[dict]:
 def load_grid(path: str | Path) -> Grid:
     """Read and validate a grid YAML file, or a bundled example grid by name (``quick``)."""
     path = resolve_grid_path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
+    if not path.exists():
         names = ", ".join(sorted(p.stem for p in bundled_dir("sweeps").glob("*.yaml")))
-        raise ConfigError(f"grid {path}: cannot read it ({e.strerror or e}); give a grid YAML file "
-                          f"or a bundled grid name ({names})") from None
+        raise ConfigError(f"grid {short_path(path)}: no such file; give a grid YAML file or a bundled "
+                          f"grid name ({names})")
+    text = read_text(path, f"grid {path}")
     return parse_grid(load_yaml(text, source=f"grid {path}"), source=str(path), root=path.parent)
 
 
@@ -166,7 +171,7 @@ def _check_keys(mapping: Mapping, allowed, where: str) -> None:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), list(allowed), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"{where}: unknown key {key!r}{hint}; allowed: {', '.join(allowed)}")
+            raise ConfigError(f"{where}: unknown key {short(key)}{hint}; allowed: {', '.join(allowed)}")
 
 
 def _parse_base(base: Any, source: str, root: Path | None) -> dict[str, str]:
@@ -189,7 +194,7 @@ def _file_setting(key: str, token: str, root: Path | None) -> str:
     if root is None or Path(token).is_absolute():
         return token
     candidate = root / token
-    if key in PATH_SETTINGS or (key in MAYBE_PATH_SETTINGS and candidate.exists()):
+    if key in PATH_SETTINGS or (key in MAYBE_PATH_SETTINGS and os.path.exists(candidate)):
         return str(candidate)
     return token
 
@@ -203,10 +208,13 @@ def _axis_key(raw_key: Any, where: str) -> str:
 def _check_axis_values(key: str, values: Any, where: str) -> None:
     if not isinstance(values, list) or not values:
         raise ConfigError(f"{where}: must be a non-empty list of values, e.g. [1, 2, 4]")
-    hashed = [_hashable(v) for v in values]
-    dupes = sorted({str(v) for v in hashed if hashed.count(v) > 1})
+    try:
+        counts = collections.Counter(_hashable(v) for v in values)
+    except TypeError:  # an unhashable value: the value check below names it
+        counts = collections.Counter()
+    dupes = sorted(str(v) for v, c in counts.items() if c > 1)
     if dupes:
-        raise ConfigError(f"{where}: duplicate value(s) {', '.join(dupes)}; list each value once")
+        raise ConfigError(f"{where}: duplicate value(s) {clip(', '.join(dupes))}; list each value once")
     _check_values(key, values, where)
 
 
@@ -252,6 +260,9 @@ def _parse_axes(axes: Any, source: str, root: Path | None) -> tuple[tuple[str, .
     where = f"{source}: axes"
     if not isinstance(axes, Mapping) or not axes:
         raise ConfigError(f"{where}: must be a mapping of setting → list of values, e.g. {{rate: [1, 2, 4]}}")
+    # Count the scenarios before building or checking any of them.
+    limits.check_scenarios(math.prod(len(v) if isinstance(v, list) else 1 for v in axes.values()),
+                           f"shrink the axes of {source}")
     parsed: dict[str, list] = {}
     for raw_key, values in axes.items():
         key = _axis_key(raw_key, where)
@@ -274,6 +285,7 @@ def _parse_list(entries: Any, source: str, root: Path | None) -> tuple[tuple[str
     where = f"{source}: scenarios"
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{where}: must be a non-empty list of mappings, e.g. [{{rate: 5}}, {{rate: 10}}]")
+    limits.check_scenarios(len(entries), f"shorten the scenarios of {source}")
     keys: tuple[str, ...] | None = None
     combos = []
     for i, entry in enumerate(entries):
@@ -328,7 +340,7 @@ def plot_spec(metric: Any, x: Any, lines: Any, axes: tuple[str, ...], where: str
             except ConfigError:
                 pass  # not a setting at all: reported below as "not an axis"
         if key not in axes:
-            raise ConfigError(f"{where}.{field}: {value!r} is not an axis of the grid; choose one of "
+            raise ConfigError(f"{where}.{field}: {short(value)} is not an axis of the grid; choose one of "
                               f"{', '.join(axes) or '(none)'}")
         resolved.append(key)
     if resolved[0] == resolved[1]:

@@ -70,7 +70,8 @@ class InstanceLane:
                            max_num_batched_tokens=int(self.params.max_num_batched_tokens),
                            total_kv_blocks=int(self.params.total_kv_blocks), block_size=self.block_size,
                            scheduler=self.scheduler, preemption_policy=self.preemption_policy, growth=growth,
-                           num_sessions=self.num_sessions, batch_start=self.batch_start)
+                           num_sessions=self.num_sessions, batch_start=self.batch_start,
+                           max_model_len=int(self.params.max_model_len))
 
     @property
     def num_sessions(self) -> int:

@@ -20,7 +20,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from blis_jax import limits
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import short
 from blis_jax.sweep.table import METRICS, OK, RESULT, SweepTable
 
 # Metrics where more is better: `metric=value` means `>=` for these, `<=` for the others.
@@ -64,7 +66,10 @@ def parse_slo(text: str, flag: str = "--slo") -> tuple[SloTarget, ...]:
         except ValueError:
             bound = math.nan
         if not math.isfinite(bound):
-            raise ConfigError(f"{flag}: {item!r}: the bound must be a finite number")
+            raise ConfigError(f"{flag}: {short(item)}: the bound must be a finite number")
+        if bound < 0:
+            raise ConfigError(f"{flag}: {short(item)}: a target must be >= 0 (latencies and throughputs are "
+                              "never negative)")
         if op == "=":
             op = ">=" if metric in HIGHER_IS_BETTER else "<="
         targets.append(SloTarget(metric, op, bound))
@@ -76,6 +81,10 @@ def parse_slo(text: str, flag: str = "--slo") -> tuple[SloTarget, ...]:
 def parse_candidates(text: str, flag: str = "--candidates") -> list[float | int]:
     """'1,2,4.5' (a list) or 'LO:HI:N' (N evenly spaced values from LO to HI)."""
     text = str(text).strip()
+    count = text.count(",") + 1
+    if text.count(":") == 2 and text.rsplit(":", 1)[1].strip().isdigit():
+        count = int(text.rsplit(":", 1)[1])
+    limits.check_scenarios(count, f"give fewer {flag}")  # before building the list
     try:
         if ":" in text:
             lo, hi, n = text.split(":")
@@ -88,7 +97,7 @@ def parse_candidates(text: str, flag: str = "--candidates") -> list[float | int]
             if not values or not all(math.isfinite(v) for v in values):
                 raise ValueError
     except ValueError:
-        raise ConfigError(f"{flag} {text!r}: give a comma list (1,2,4) or LO:HI:N with LO < HI and "
+        raise ConfigError(f"{flag} {short(text)}: give a comma list (1,2,4) or LO:HI:N with LO < HI and "
                           "N >= 2 (e.g. 1:40:14)") from None
     out = sorted({int(v) if float(v).is_integer() else v for v in values})
     return out

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from blis_jax.io_safety import atomic_output
 from blis_jax.sweep.grid import PlotSpec
 from blis_jax.sweep.table import SweepTable
 
@@ -101,7 +102,8 @@ def write_plot(table: SweepTable, spec: PlotSpec, path: str | Path, title: str |
         ax.legend(fontsize=8, title_fontsize=8, loc="best")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path)
+    with atomic_output(path, "wb") as f:
+        fig.savefig(f, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
     return path
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import clip, short
 
 # `run` flags that are not scenario settings (outputs, logging).
 NOT_SETTINGS = frozenset({"help", "metrics-path", "results-path", "trace-output", "progress", "log"})
@@ -69,7 +70,7 @@ def run_default(key: str) -> Any:
 def canonical_key(key: Any, where: str) -> str:
     """The canonical setting key of a YAML key (underscores accepted for dashes)."""
     if not isinstance(key, str):
-        raise ConfigError(f"{where}: key {key!r} must be a string (a `blis-jax run` flag name)")
+        raise ConfigError(f"{where}: key {short(key)} must be a string (a `blis-jax run` flag name)")
     name = key.strip().lstrip("-").replace("_", "-")
     schema = settings_schema()
     if name in schema:
@@ -77,7 +78,7 @@ def canonical_key(key: Any, where: str) -> str:
     if name in NOT_SETTINGS:
         raise ConfigError(f"{where}.{key}: is a `run` output flag, not a scenario setting; a sweep "
                           "writes its own table (use --output-dir)")
-    raise ConfigError(f"{where}.{key}: unknown setting{_did_you_mean(name, schema)}; settings are "
+    raise ConfigError(f"{where}.{clip(key)}: unknown setting{_did_you_mean(name, schema)}; settings are "
                       "`blis-jax run` flag names without the dashes (see `blis-jax run --help`)")
 
 
@@ -94,23 +95,23 @@ def value_token(key: str, value: Any, where: str) -> str:
     if setting.kind is bool:
         text = str(value).lower() if isinstance(value, (bool, str)) else ""
         if text not in ("true", "false"):
-            raise ConfigError(f"{where}.{key}: {value!r} must be true or false (a switch of `blis-jax run`)")
+            raise ConfigError(f"{where}.{key}: {short(value)} must be true or false (a switch of `blis-jax run`)")
         return text
     if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
-        raise ConfigError(f"{where}.{key}: {value!r} is not a valid value; give {_expected(setting)}")
+        raise ConfigError(f"{where}.{key}: {short(value)} is not a valid value; give {_expected(setting)}")
     if setting.kind is int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if not isinstance(value, int):
-            raise ConfigError(f"{where}.{key}: {value!r} must be an integer")
+            raise ConfigError(f"{where}.{key}: {short(value)} must be an integer")
         return str(value)
     if setting.kind is float:
         if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{where}.{key}: {value!r} must be a finite number")
+            raise ConfigError(f"{where}.{key}: {short(value)} must be a finite number")
         return repr(float(value))
     text = str(value)
     if setting.choices and text not in setting.choices:
-        raise ConfigError(f"{where}.{key}: {text!r} is not one of {', '.join(setting.choices)}")
+        raise ConfigError(f"{where}.{key}: {short(text)} is not one of {', '.join(setting.choices)}")
     return text
 
 
@@ -126,7 +127,7 @@ def _number_list(value: Any, where: str) -> str:
     elif isinstance(value, (list, tuple)):
         parts = list(value)
     else:
-        raise ConfigError(f"{where}: {value!r} must be a list of numbers, e.g. [15563.2, 777.35, 45.91]")
+        raise ConfigError(f"{where}: {short(value)} must be a list of numbers, e.g. [15563.2, 777.35, 45.91]")
     out = []
     for i, part in enumerate(parts):
         try:
@@ -134,7 +135,7 @@ def _number_list(value: Any, where: str) -> str:
         except (TypeError, ValueError):
             number = math.nan
         if not math.isfinite(number):
-            raise ConfigError(f"{where}[{i}]: {part!r} must be a finite number")
+            raise ConfigError(f"{where}[{i}]: {short(part)} must be a finite number")
         out.append(repr(number))
     return ",".join(out)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from blis_jax.engine import results as result_codes
+from blis_jax.io_safety import atomic_output, atomic_write_text
 from blis_jax.metrics import kv_cache_metrics, metrics_output
 
 # The metrics block in BLIS field order (`kv_allocation_failures` is printed only when non-zero;
@@ -86,7 +87,7 @@ def make_row(index: int, values: Mapping[str, Any], code: int, metrics: Mapping[
 
 
 def write_csv(path: str | Path, table: SweepTable) -> None:
-    with open(path, "w", newline="") as f:
+    with atomic_output(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         columns = table.columns  # a scan of every row: once, not per row
         writer.writerow(columns)
@@ -103,7 +104,7 @@ def _csv_cell(value: Any) -> str:
 
 
 def write_json(path: str | Path, table: SweepTable) -> None:
-    Path(path).write_text(json.dumps(table.to_json(), indent=2) + "\n")
+    atomic_write_text(path, json.dumps(table.to_json(), indent=2) + "\n")
 
 
 def format_text(table: SweepTable, metrics: Sequence[str] = SUMMARY_METRICS) -> str:

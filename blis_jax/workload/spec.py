@@ -15,7 +15,6 @@ Sessions are part of the schema (`reasoning.multi_turn`, `closed_loop`, `concurr
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,7 +23,9 @@ from typing import Any
 
 import yaml
 
+from blis_jax import limits
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import check_yaml_shape, load_json_text, read_text, short, summarise, clip, yaml_problem
 from blis_jax.workload.arrivals import check_arrival
 from blis_jax.workload.lengths import make_length
 
@@ -252,6 +253,10 @@ class WorkloadSpec:
 # ---------------------------------------------------------------------------- loading
 
 
+MAX_NUMBER = 2.0**53  # larger reals in a spec are typos (and overflow int64 once rounded to tokens or µs)
+CLIENT_BYTES = 4096  # host memory of one expanded client
+
+
 class _StrictLoader(yaml.SafeLoader):
     """SafeLoader that rejects duplicate keys (Go's strict YAML does) and keeps timestamps
     as strings."""
@@ -276,22 +281,23 @@ _StrictLoader.yaml_implicit_resolvers = {
 
 
 def load_yaml(text: str, source: str = "spec") -> Any:
-    """Strict YAML → Python (duplicate keys are errors)."""
+    """Strict YAML → Python (duplicate keys are errors; nesting depth and alias expansion
+    bounded, see io_safety.check_yaml_shape)."""
+    check_yaml_shape(text, source)
     try:
         return yaml.load(text, Loader=_StrictLoader)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML ({e})") from e
+        raise ConfigError(f"{source}: not valid YAML ({yaml_problem(e)})") from e
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply") from None
 
 
 def load_spec(path: str | Path) -> WorkloadSpec:
     """Read, parse and validate a workload spec file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"--workload-spec {path}: cannot read ({e.strerror})") from e
+    text = read_text(path, f"--workload-spec {path}")
     raw = load_yaml(text, f"--workload-spec {path}")
     try:
         return parse_spec(raw, base_dir=path.parent)
@@ -341,16 +347,20 @@ class _Parser:
                               f"got {_type_name(raw)}")
         for key in raw:
             if key not in keys:
-                raise ConfigError(f"{_join(path, str(key))}: unknown key; known keys here: {', '.join(keys)}")
+                raise ConfigError(f"{_join(path, clip(key, 30))}: unknown key; known keys here: "
+                                  f"{summarise(list(keys), 'keys', 'see the workload spec reference')}")
         return dict(raw)
 
     @staticmethod
     def number(raw: Any, path: str, *, minimum: float | None = None, positive: bool = False) -> float:
         if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {_type_name(raw)} {raw!r}")
-        value = float(raw)
-        if not math.isfinite(value):
-            raise ConfigError(f"{path}: {raw!r} must be a finite number")
+            raise ConfigError(f"{path}: expected a number, got {_type_name(raw)} {short(raw)}")
+        try:
+            value = float(raw)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value) or abs(value) > MAX_NUMBER:
+            raise ConfigError(f"{path}: {short(raw)} must be a finite number of at most {MAX_NUMBER:.3g}")
         if positive and value <= 0:
             raise ConfigError(f"{path}: {raw!r} must be > 0")
         if minimum is not None and value < minimum:
@@ -358,13 +368,19 @@ class _Parser:
         return value
 
     @staticmethod
-    def integer(raw: Any, path: str, *, minimum: int | None = None) -> int:
+    def integer(raw: Any, path: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
         if isinstance(raw, bool) or not isinstance(raw, (int, float)) or \
                 (isinstance(raw, float) and (not math.isfinite(raw) or not raw.is_integer())):
-            raise ConfigError(f"{path}: expected an integer, got {_type_name(raw)} {raw!r}")
+            raise ConfigError(f"{path}: expected an integer, got {_type_name(raw)} {short(raw)}")
         value = int(raw)
         if minimum is not None and value < minimum:
-            raise ConfigError(f"{path}: {value} must be ≥ {minimum}")
+            raise ConfigError(f"{path}: {short(value)} must be ≥ {minimum}")
+        key = path.rsplit(".", 1)[-1]
+        if maximum is None:  # times and token counts keep the engine's int64 sums exact (limits.py)
+            maximum = (limits.MAX_TIME_US if key.endswith("_us") or key in ("horizon", "timeout") else
+                       limits.MAX_TOKENS if key.endswith("_len") or key.endswith("_length") else limits.INT64_MAX)
+        if value > maximum or value < -limits.INT64_MAX - 1:
+            raise ConfigError(f"{path}: {short(value)} is beyond the limit of {maximum:,}")
         return value
 
     @staticmethod
@@ -433,14 +449,8 @@ class _Parser:
 
     def _read_empirical(self, file: str, path: str) -> Mapping:
         full = Path(file) if Path(file).is_absolute() else self.base_dir / file
-        try:
-            text = full.read_text()
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read {full} ({e.strerror})") from e
-        try:
-            data = json.loads(text) if full.suffix == ".json" else load_yaml(text, str(full))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: {full} is not valid JSON ({e})") from e
+        text = read_text(full, f"{path}: {full}")
+        data = load_json_text(text, f"{path}: {full}") if full.suffix == ".json" else load_yaml(text, str(full))
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path}: {full} must hold a mapping of \"<tokens>\": probability")
         return data
@@ -590,6 +600,9 @@ class _Parser:
         self.required(pd, pp, ints, "shared_prefix")
         values = {k: self.integer(pd[k], _join(pp, k), minimum=0 if k == "system_prompt_len" else 1)
                   for k in ints}
+        limits.check_size(f"{pp}: clients (system prompts x users)",
+                          values["num_unique_system_prompts"] * values["num_users_per_system_prompt"],
+                          CLIENT_BYTES, "lower them")
         multi = self.opt(pd, "enable_multi_turn_chat", pp, self.boolean) or False
         mode = self.opt(d, "multi_turn_mode", path, self.choice, MULTI_TURN_MODES) or MULTI_TURN_MODES[0]
         if mode != MULTI_TURN_MODES[0] and not multi:
@@ -622,7 +635,7 @@ class _Parser:
             raise ConfigError("servegen_data: expected a mapping")
         spec = WorkloadSpec(
             version=version,
-            seed=self.opt(d, "seed", "", self.integer),
+            seed=self.opt(d, "seed", "", self.integer, maximum=limits.MAX_SEED),
             category=self.choice(d.get("category", ""), "category", CATEGORIES),
             aggregate_rate=self.opt(d, "aggregate_rate", "", self.number, minimum=0) or 0.0,
             num_requests=self.opt(d, "num_requests", "", self.integer, minimum=0) or 0,

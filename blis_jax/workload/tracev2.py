@@ -26,6 +26,8 @@ import yaml
 # Only the status codes: writing outcomes is the one place a trace needs simulation results.
 from blis_jax.engine.output import COMPLETED, LENGTH_CAPPED, TIMED_OUT
 from blis_jax.errors import ConfigError
+from blis_jax.io_safety import MAX_INPUT_BYTES, atomic_write_text, load_yaml_text, read_text, short, summarise
+from blis_jax.limits import INT64_MAX, MAX_SEED, MAX_TIME_US, MAX_TOKENS
 from blis_jax.workload.requests import NO_PREFIX_GROUP, RequestSet, make_request_set
 
 REQUIRED_COLUMNS: tuple[str, ...] = (
@@ -70,6 +72,13 @@ GOODPUT_DIMENSIONS = ("ttft_ms", "itl_ms", "e2e_ms")
 SUPPORTED_VERSIONS = (1, 2, 3)
 
 _INT_RE = re.compile(r"[+-]?[0-9]+")
+# Largest value per integer column: times and token counts stay within the limits that keep
+# the engine's int64 sums exact (limits.py); anything else must fit int64.
+_TIME_COLUMNS = {"arrival_time_us", "send_time_us", "deadline_us", "first_chunk_time_us", "last_chunk_time_us",
+                 "slo_target_us", "think_time_us"}
+_TOKEN_COLUMNS = {"prefix_length", "input_tokens", "output_tokens", "text_tokens", "image_tokens", "audio_tokens",
+                  "video_tokens", "server_input_tokens"}
+csv.field_size_limit(MAX_INPUT_BYTES)  # a long error_message cell is data, not an error
 _GO_TRUE = {"1", "t", "T", "TRUE", "true", "True"}
 _GO_FALSE = {"0", "f", "F", "FALSE", "false", "False"}
 
@@ -101,14 +110,17 @@ class TraceHeader:
                 or self.warm_up_requests < 0:
             raise ConfigError(f"trace header warm_up_requests: {self.warm_up_requests!r} must be an integer ≥ 0")
         if self.workload_seed is not None and (isinstance(self.workload_seed, bool)
-                                               or not isinstance(self.workload_seed, int)):
-            raise ConfigError(f"trace header workload_seed: {self.workload_seed!r} must be an integer")
+                                               or not isinstance(self.workload_seed, int)
+                                               or not -2**63 <= self.workload_seed <= MAX_SEED):
+            raise ConfigError(f"trace header workload_seed: {short(self.workload_seed)} must be a 64-bit integer")
+        if isinstance(self.warm_up_requests, int) and self.warm_up_requests > INT64_MAX:
+            raise ConfigError(f"trace header warm_up_requests: {short(self.warm_up_requests)} beyond 64-bit integers")
         if self.goodput_slo_targets is not None:
             _check_goodput(self.goodput_slo_targets)
         unknown = sorted(set(self.extra) - set(_HEADER_EXTRA))
         if unknown:
-            raise ConfigError(f"trace header: unknown key(s) {', '.join(unknown)}; known keys: "
-                              f"{', '.join(_HEADER_ORDER)}")
+            raise ConfigError(f"trace header: unknown key(s) {short(', '.join(map(str, unknown)))}; known keys: "
+                              f"{summarise(_HEADER_ORDER, 'keys', 'see TraceV2 in the spec')}")
         object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -143,19 +155,15 @@ _HeaderLoader.yaml_implicit_resolvers = {
 def read_header(path: str | Path) -> TraceHeader:
     """Parse and validate trace.yaml."""
     path = Path(path)
-    try:
-        raw = yaml.load(path.read_text(), Loader=_HeaderLoader)
-    except OSError as e:
-        raise ConfigError(f"--trace-header {path}: cannot read ({e.strerror})") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--trace-header {path}: not valid YAML ({e})") from e
+    source = f"--trace-header {path}"
+    raw = load_yaml_text(read_text(path, source), source, loader=_HeaderLoader)
     if not isinstance(raw, dict):
         raise ConfigError(f"--trace-header {path}: expected a mapping of header keys")
     known = {f.name for f in dataclasses.fields(TraceHeader)} - {"extra"}
-    unknown = sorted(k for k in raw if k not in known and k not in _HEADER_EXTRA)
+    unknown = sorted(str(k) for k in raw if k not in known and k not in _HEADER_EXTRA)
     if unknown:
-        raise ConfigError(f"--trace-header {path}: unknown key(s) {', '.join(map(str, unknown))}; "
-                          f"known keys: {', '.join(_HEADER_ORDER)}")
+        raise ConfigError(f"--trace-header {path}: unknown key(s) {short(', '.join(unknown))}; "
+                          f"known keys: {summarise(_HEADER_ORDER, 'keys', 'see TraceV2 in the spec')}")
     fields = {k: v for k, v in raw.items() if k in known}
     if fields.get("created_at") is not None:
         fields["created_at"] = str(fields["created_at"])
@@ -176,40 +184,41 @@ def read_trace(header_path: str | Path, data_path: str | Path) -> tuple[TraceHea
 def read_columns(data_path: str | Path) -> dict[str, list[str]]:
     """CSV → {column: raw cells}, after checking the column set and row widths."""
     path = Path(data_path)
+    text = read_text(path, f"--trace-data {path}")
+    reader = csv.reader(io.StringIO(text, newline=""))
     try:
-        with path.open(newline="") as handle:
-            text = handle.read()
-    except OSError as e:
-        raise ConfigError(f"--trace-data {path}: cannot read ({e.strerror})") from e
-    reader = csv.reader(io.StringIO(text))
-    names = next(reader, None)
-    if not names:
-        raise ConfigError(f"--trace-data {path}: empty file; expected a header row with columns "
-                          f"{', '.join(REQUIRED_COLUMNS)}")
-    _check_column_names(names, path)
-    cells: dict[str, list[str]] = {name: [] for name in names}
-    for row in reader:
-        if not row:
-            continue  # tolerate a trailing blank line
-        if len(row) != len(names):
-            raise ConfigError(f"--trace-data {path}: line {reader.line_num} has {len(row)} fields, "
-                              f"the header has {len(names)}")
-        for name, cell in zip(names, row):
-            cells[name].append(cell)
+        names = next(reader, None)
+        if not names:
+            raise ConfigError(f"--trace-data {path}: empty file; expected a header row with the "
+                              f"{len(REQUIRED_COLUMNS)} TraceV2 columns (request_id, client_id, ...)")
+        _check_column_names(names, path)
+        cells: dict[str, list[str]] = {name: [] for name in names}
+        for row in reader:
+            if not row:
+                continue  # tolerate a trailing blank line
+            if len(row) != len(names):
+                raise ConfigError(f"--trace-data {path}: line {reader.line_num} has {len(row)} fields, "
+                                  f"the header has {len(names)}")
+            for name, cell in zip(names, row):
+                cells[name].append(cell)
+    except csv.Error as e:
+        raise ConfigError(f"--trace-data {path}: line {reader.line_num}: not valid CSV ({e})") from None
     return cells
 
 
 def _check_column_names(names: list[str], path: Path) -> None:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ConfigError(f"--trace-data {path}: duplicate column(s) {', '.join(dupes)}")
+        raise ConfigError(f"--trace-data {path}: duplicate column(s) {short(', '.join(dupes), 60)}")
     unknown = [n for n in names if n not in REQUIRED_COLUMNS and n not in OPTIONAL_COLUMNS]
     if unknown:
-        raise ConfigError(f"--trace-data {path}: unknown column(s) {', '.join(unknown)}; TraceV2 columns are "
-                          f"{', '.join(REQUIRED_COLUMNS)} plus optional {', '.join(OPTIONAL_COLUMNS)}")
+        raise ConfigError(f"--trace-data {path}: unknown column(s) {short(', '.join(unknown), 60)}; TraceV2 has "
+                          f"{len(REQUIRED_COLUMNS)} required columns (request_id, client_id, ...) and "
+                          f"{len(OPTIONAL_COLUMNS)} optional ones (vllm_priority, ...)")
     missing = [n for n in REQUIRED_COLUMNS if n not in names]
     if missing:
-        raise ConfigError(f"--trace-data {path}: missing required column(s) {', '.join(missing)}")
+        raise ConfigError(f"--trace-data {path}: missing required column(s) "
+                          f"{summarise(missing, 'columns', 'see TraceV2 in the spec')}")
 
 
 def requests_from_columns(cells: Mapping[str, list[str]], source: str = "trace") -> RequestSet:
@@ -275,6 +284,10 @@ def _parse_int(name: str, value: str, row: int, source: str, signed: bool) -> in
     number = int(value)
     if not signed and number < 0:
         raise _cell_error(source, row, name, value, "must be ≥ 0")
+    limit = MAX_TIME_US if name in _TIME_COLUMNS else MAX_TOKENS if name in _TOKEN_COLUMNS else INT64_MAX
+    if abs(number) > limit:
+        what = "µs" if name in _TIME_COLUMNS else "tokens" if name in _TOKEN_COLUMNS else ""
+        raise _cell_error(source, row, name, value, f"is beyond the limit of {limit:,} {what}".rstrip())
     return number
 
 
@@ -297,7 +310,7 @@ def _parse_bool(name: str, value: str, row: int, source: str) -> bool:
 
 
 def _cell_error(source: str, row: int, column: str, value: str, why: str) -> ConfigError:
-    return ConfigError(f"{source}: row {row} (line {row + 2}), column {column}: {value!r} {why}")
+    return ConfigError(f"{source}: row {row} (line {row + 2}), column {column}: {short(value, 30)} {why}")
 
 
 def _check_goodput(targets: Any) -> None:
@@ -329,8 +342,8 @@ def write_trace(prefix: str | Path, header: TraceHeader, requests: RequestSet,
     """
     prefix = Path(prefix)
     yaml_path, csv_path = prefix.with_name(prefix.name + ".yaml"), prefix.with_name(prefix.name + ".csv")
-    yaml_path.write_text(format_header(header))
-    csv_path.write_text(format_records(requests, sim_output), newline="")
+    atomic_write_text(yaml_path, format_header(header))
+    atomic_write_text(csv_path, format_records(requests, sim_output), newline="")
     return yaml_path, csv_path
 
 
