@@ -233,10 +233,19 @@ def test_unservable_trace_row_is_dropped_and_counted(tmp_path, case):
     assert metrics["injected_requests"] == 3
 
 
-@pytest.mark.parametrize("flags", [
-    ("--prompt-tokens", "1e12", "--prompt-tokens-min", str(10**12), "--prompt-tokens-max", str(10**12)),
-    ("--prefix-tokens", "100000000"),
-], ids=["trillion-token prompts", "1e8-token prefix"])
+def test_generated_trillion_token_prompts_are_refused_fast(tmp_path):
+    """BLIS draws a token ID per prompt token: such a workload cannot be generated exactly in
+    any reasonable time, so it is refused before the first draw."""
+    start = time.monotonic()
+    rc, out, err = cli("run", "--num-requests", "5", "--total-kv-blocks", "4096", "--prompt-tokens", "1e12",
+                       "--prompt-tokens-min", str(10**12), "--prompt-tokens-max", str(10**12),
+                       "--metrics-path", tmp_path / "m.json")
+    assert time.monotonic() - start < 30
+    assert_one_error_line(rc, err, "token IDs")
+    assert not (tmp_path / "m.json").exists()
+
+
+@pytest.mark.parametrize("flags", [("--prefix-tokens", "100000000")], ids=["1e8-token prefix"])
 def test_unservable_generated_requests_are_dropped_fast(tmp_path, flags):
     start = time.monotonic()
     rc, out, err = cli("run", "--num-requests", "5", "--total-kv-blocks", "4096", *flags,

@@ -56,6 +56,10 @@ _L7 = 1.479819860511658591e-01
 _SQRT2_HALF = 1.41421356237309504880168872420969808 / 2
 
 TOKEN_VOCAB = 128000           # BLIS token IDs: Intn(128000)
+# Token IDs one stream may draw (~1-2 min at the measured 2-10e7 draws/s). BLIS draws an ID for
+# every prompt and output token, so a larger workload cannot be reproduced in reasonable time
+# (a trillion-token prompt would never finish): it is refused before drawing.
+MAX_TOKEN_DRAWS = 1 << 32
 # Int31n(128000) rejects Int31 values above this (2³¹−1 − 2³¹ mod 128000).
 _TOKEN_MAX = _INT32_MAX - (1 << 31) % TOKEN_VOCAB
 _TOKEN_REJECT_SHIFTED = np.uint64((_TOKEN_MAX + 1) << 33)
@@ -319,8 +323,17 @@ class GoRand:
                 return n + k
             self._refill(n + k + 16 + n // 4096)
 
+    def _check_token_budget(self, n: int) -> None:
+        if self.drawn + n > MAX_TOKEN_DRAWS:
+            from blis_jax.errors import ConfigError
+
+            raise ConfigError(f"the workload would draw over {MAX_TOKEN_DRAWS:,} token IDs from one random "
+                              f"stream ({n:,} for one request; BLIS draws one per prompt and output token); "
+                              "lower the token lengths or the number of requests")
+
     def tokens(self, n: int) -> np.ndarray:
         """n successive `Intn(128000)` values (BLIS's token IDs, blis-rng.md §3.1)."""
+        self._check_token_budget(n)
         parts = []
         while n > 0 or not parts:
             m = min(n, _MAX_CHUNK)
@@ -338,6 +351,7 @@ class GoRand:
     def skip_tokens(self, n: int) -> None:
         """Consume n `Intn(128000)` draws without returning them (only equality of token IDs
         matters to the simulation; the stream position matters to every later draw)."""
+        self._check_token_budget(n)
         while n > 0:                   # bounded blocks keep memory small for huge n
             m = min(n, _MAX_CHUNK)
             used = self._token_words(m)
