@@ -27,6 +27,7 @@ from blis_diff import case_param  # noqa: E402
 from shared_data import BLIS_DIFF, needs_blis_diff  # noqa: E402
 from test_cli import metrics_blocks  # noqa: E402
 
+
 def _params():
     if not BLIS_DIFF.is_dir():
         return []
