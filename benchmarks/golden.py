@@ -41,11 +41,12 @@ def main() -> None:
     requests = sum(m["completed_requests"] for m in metrics)
     passing = sum(not golden.compare(e, m) for e, m in zip(experiments, metrics))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"| latency model | mode | experiments | requests | wall (s, compile included) | of which workload generation (s) | simulated req/s | "
-          f"within tolerance | peak RSS (MiB) |")
+    print("| latency model | mode | experiments | requests | wall (s, compile included) | "
+          "of which workload generation (s) | simulated req/s | within tolerance | peak RSS (MiB) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| {args.latency_model} | {'single' if args.single else 'batched'} | {len(experiments)} | {requests} | "
-          f"{wall:.1f} | {timings['generate_s']:.1f} | {requests / wall:.0f} | {passing}/{len(experiments)} | {peak:.0f} |")
+          f"{wall:.1f} | {timings['generate_s']:.1f} | {requests / wall:.0f} | {passing}/{len(experiments)} | "
+          f"{peak:.0f} |")
 
 
 if __name__ == "__main__":
