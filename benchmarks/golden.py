@@ -35,16 +35,18 @@ def main() -> None:
     experiments = golden.load_experiments(args.reference, args.latency_model)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        metrics = golden.run_experiments(experiments, tmp, batched=not args.single)
+        timings: dict = {}
+        metrics = golden.run_experiments(experiments, tmp, batched=not args.single, timings=timings)
     wall = time.perf_counter() - start
     requests = sum(m["completed_requests"] for m in metrics)
     passing = sum(not golden.compare(e, m) for e, m in zip(experiments, metrics))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"| latency model | mode | experiments | requests | wall (s, compile included) | simulated req/s | "
-          f"within tolerance | peak RSS (MiB) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| latency model | mode | experiments | requests | wall (s, compile included) | "
+          "of which workload generation (s) | simulated req/s | within tolerance | peak RSS (MiB) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| {args.latency_model} | {'single' if args.single else 'batched'} | {len(experiments)} | {requests} | "
-          f"{wall:.1f} | {requests / wall:.0f} | {passing}/{len(experiments)} | {peak:.0f} |")
+          f"{wall:.1f} | {timings['generate_s']:.1f} | {requests / wall:.0f} | {passing}/{len(experiments)} | "
+          f"{peak:.0f} |")
 
 
 if __name__ == "__main__":

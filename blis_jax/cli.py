@@ -57,7 +57,14 @@ from blis_jax import limits
 from blis_jax.errors import ConfigError
 from blis_jax.io_safety import atomic_write_text, check_command_paths, short
 from blis_jax.latency import build_latency_model
-from blis_jax.output import format_pd_section, pd_summary, render_stdout, write_metrics_file, write_results_file
+from blis_jax.output import (
+    format_pd_section,
+    pd_summary,
+    pd_trace_outcomes,
+    render_stdout,
+    write_metrics_file,
+    write_results_file,
+)
 from blis_jax.workload.distribution import (
     DEFAULT_TIMEOUT_S,
     OUTPUT_DEFAULT,
@@ -922,7 +929,7 @@ def write_outputs(args, requests: RequestSet, out, header: TraceHeader, stdout: 
     if args.results_path:
         write_results_file(args.results_path, out, requests)
     if args.trace_output:
-        write_trace(args.trace_output, header, requests, out)
+        write_trace(args.trace_output, header, requests, out if views is None else pd_trace_outcomes(out, views))
 
 
 def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
@@ -933,8 +940,10 @@ def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
         out, views = simulate(scenario, requests, args, stderr, with_views=True)
     else:
         requests, out = simulate(scenario, requests, args, stderr, sessions)
-    header = TraceHeader(mode="generated", workload_seed=int(args.seed))
-    write_outputs(args, requests, out, header, stdout, views=views)
+    # a workload spec's goodput targets go into the header and the metrics, as in BLIS
+    goodput = _load_spec_file("--workload-spec", args.workload_spec).goodput_slo_targets if args.workload_spec else None
+    header = TraceHeader(mode="generated", workload_seed=int(args.seed), goodput_slo_targets=goodput)
+    write_outputs(args, requests, out, header, stdout, goodput_targets=goodput, views=views)
     return 0
 
 

@@ -93,15 +93,19 @@ def resolve(exp: GoldenExperiment, workdir: str | Path):
 
 
 def run_experiments(experiments: Sequence[GoldenExperiment], workdir: str | Path, *, batched: bool = True,
-                    progress: Callable[[str], None] | None = None) -> list[dict]:
-    """The `run` metrics block of each experiment. Batched: the experiments share one compiled
+                    progress: Callable[[str], None] | None = None, timings: dict | None = None) -> list[dict]:
+    """The `run` metrics block of each experiment (`timings`, if given, gets the seconds spent
+    generating the workloads as `generate_s`). Batched: the experiments share one compiled
     program per latency-model structure (dims covering all of them) and run as lanes of the
     sweep's batch runner, one per device at a time on CPU (see sweep/batch.py); single: one
     `simulate_sessions` call each, with its own dims."""
     from blis_jax.engine.simulate import simulate_sessions
     from blis_jax.metrics import metrics_output
 
+    start = time.perf_counter()
     resolved = [resolve(exp, workdir) for exp in experiments]
+    if timings is not None:
+        timings["generate_s"] = time.perf_counter() - start
     if batched:
         from blis_jax.sweep.batch import run_lanes
         from blis_jax.sweep.lane import SessionLane

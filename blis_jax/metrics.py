@@ -298,7 +298,7 @@ def goodput_fields(out: SimOutput, requests: RequestSet,
             "count": int(rows.sum()),
             "e2e_p99_ms": percentile_ms(out.e2e_us[rows], 99),
             "goodput_rps": n_good / duration_s if duration_s > 0 else 0.0,
-            "itl_mean_ms": float(itl_us[rows].sum()) / float(rows.sum()) / 1000.0 if rows.any() else 0.0,
+            "itl_mean_ms": _sum_in_id_order(itl_us, rows, requests) / float(max(rows.sum(), 1)) / 1000.0,
             "slo_attainment": n_good / injected,
             "slo_attainment_by_dim": by_dim,
             "ttft_p99_ms": percentile_ms(out.ttft_us[rows], 99),
@@ -306,6 +306,15 @@ def goodput_fields(out: SimOutput, requests: RequestSet,
     return {"goodput_rps": total_good / duration_s if duration_s > 0 else 0.0,
             "slo_attainment": total_good / total_injected if total_injected else 0.0,
             "per_class": per_class}
+
+
+def _sum_in_id_order(values: np.ndarray, rows: np.ndarray, requests: RequestSet) -> float:
+    """Σ values[rows] added one by one in BLIS's order, its sorted request names
+    (`request_<id>` as strings: request_10 before request_2); the last bits of a float sum
+    depend on the order (numpy's own sum is pairwise)."""
+    idx = np.flatnonzero(rows)
+    idx = idx[np.argsort(requests.request_id[idx].astype(str), kind="stable")]
+    return float(np.cumsum(values[idx])[-1]) if len(idx) else 0.0
 
 
 def cache_hit_rate(out: SimOutput, instance: int | None = None) -> float:
@@ -348,9 +357,9 @@ class AnomalyCounters:
 
 def anomaly_counters(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcfs",
                      hol_blocking_events: int = 0, rejected_routing: int = 0) -> AnomalyCounters:
-    """Anomaly figures from the run. HOL blocking and routing rejections come from the
-    engine's cluster layer and are passed in; priority inversions are counted only under
-    the `priority-fcfs` scheduler, as in BLIS."""
+    """Anomaly figures from the run. HOL blocking events are the cluster run's
+    (`out.hol_blocking_events`) unless given; routing rejections are passed in; priority
+    inversions are counted only under the `priority-fcfs` scheduler, as in BLIS."""
     _check_aligned(out, requests)
     rejected = out.status == REJECTED
     shed: dict[str, int] = defaultdict(int)
@@ -358,7 +367,7 @@ def anomaly_counters(out: SimOutput, requests: RequestSet, *, scheduler: str = "
         shed[str(cls) or "standard"] += 1
     return AnomalyCounters(
         priority_inversions=priority_inversions(out, requests) if scheduler == "priority-fcfs" else 0,
-        hol_blocking_events=int(hol_blocking_events),
+        hol_blocking_events=int(hol_blocking_events or out.hol_blocking_events),
         rejected_admission=int(rejected.sum()),
         shed_by_class=tuple(sorted(shed.items())),
         rejected_routing=int(rejected_routing),

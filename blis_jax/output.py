@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
 
-from blis_jax.engine.output import SimOutput
+from blis_jax.engine.output import NOT_ARRIVED, SimOutput
 from blis_jax.errors import ConfigError
 from blis_jax.io_safety import atomic_write_text
 from blis_jax.metrics import (
@@ -263,6 +264,15 @@ def pd_summary(out: SimOutput, views) -> PDSummary:
                      prefill_throughput=prefill, decode_throughput=decode,
                      load_imbalance=high / low if low > 0 else 0.0, parent_ttft_us=ttft,
                      transfer_us=np.asarray(views.transfer_us))
+
+
+def pd_trace_outcomes(out: SimOutput, views):
+    """The per-request outcome the trace export records under PD: BLIS's trace recorder never
+    sees a disaggregated request finish (its prefill and decode sub-requests do), so its row is
+    `incomplete` with zero chunk times; other requests keep their own outcome."""
+    split = np.asarray(views.disaggregated, bool)
+    return types.SimpleNamespace(status=np.where(split, NOT_ARRIVED, out.status),
+                                 ttft_us=np.where(split, -1, out.ttft_us), itl_sum_us=out.itl_sum_us)
 
 
 def format_pd_section(s: PDSummary) -> str:

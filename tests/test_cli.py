@@ -198,6 +198,16 @@ def test_replay_matches_blis(case_id, tmp_path):
         assert got_metrics["dropped_unservable"] > 0
 
 
+@needs_shared
+def test_run_with_generation_args_prints_blis_run(tmp_path):
+    """A01's `generation_args` through `run`: BLIS's stdout and trace.csv / trace.yaml byte for
+    byte (its replay equals the generating run). Every case: tests/test_run_blis_diff.py (slow).
+    After the A01 replay above, this reuses its compiled program (same shapes)."""
+    from test_run_blis_diff import assert_run_equals_blis
+
+    assert_run_equals_blis("A01", tmp_path)
+
+
 def _cluster_cases() -> list[str]:
     """Reference cases whose routing is deterministic (round-robin) or that admit by token
     bucket: BLIS's output is reproducible byte for byte."""

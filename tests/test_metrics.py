@@ -126,6 +126,20 @@ def _without_itl(text: str) -> list[str]:
 # ------------------------------------------------------------------------ statistics maths
 
 
+def test_hol_blocking_counts_instances_above_twice_the_mean_queue():
+    """blis-features §1.9: instances whose mean sampled wait-queue length exceeds twice the
+    cross-instance mean; none with one instance or empty queues."""
+    from blis_jax.cluster.simulate import hol_blocking_events
+
+    steps = np.array([10, 10, 10, 10])
+    assert hol_blocking_events(np.array([0, 0, 0, 100]), steps) == 1      # 10 > 2 × 2.5
+    assert hol_blocking_events(np.array([50, 50, 0, 0]), steps) == 0      # 5 = 2 × 2.5: not above
+    assert hol_blocking_events(np.array([90, 80, 0, 0, 0, 0, 0, 0]), np.full(8, 10)) == 2
+    assert hol_blocking_events(np.array([0, 30, 0, 0]), np.array([0, 10, 10, 10])) == 1  # no steps: mean 0
+    assert hol_blocking_events(np.zeros(4, np.int64), steps) == 0
+    assert hol_blocking_events(np.array([100]), np.array([10])) == 0
+
+
 def test_percentile_matches_numpy_linear():
     rng = np.random.default_rng(0)
     for n in (1, 2, 3, 10, 101, 1000):

@@ -85,6 +85,10 @@ def test_c06_generating_run_is_reproduced_to_the_microsecond():
         # the trace's last chunk is before the post-decode overhead α1 that E2E includes
         assert int(final.arrival_us[i] + out.e2e_us[i]) == int(r["last_chunk_time_us"]) + post, i
         assert int(final.deadline_us[i]) == int(r["deadline_us"]), i
+    # rows in the trace's order and numbered by it: same-tick follow-ups in generation order (blis-rng §12)
+    assert [(str(s), int(k)) for s, k in zip(final.session_id, final.round_index)] == \
+        [(r["session_id"], int(r["round_index"])) for r in rows]
+    assert final.request_id.tolist() == [int(r["request_id"]) for r in rows]
     # case.json notes: the generating run's cache hit rate was 0.3173
     hit_rate = float(out.kv_hits[0]) / float(out.kv_hits[0] + out.kv_misses[0])
     assert round(hit_rate, 4) == 0.3173

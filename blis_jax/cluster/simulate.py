@@ -214,6 +214,7 @@ def simulate_cluster_views(
             block_size=block_size, scheduler=scheduler, preemption_policy=preemption_policy, growth=growth,
             step_log=events_per_chunk, batch_start=batch_start,
         )
+        edims = dataclasses.replace(edims, sample_wait=True)  # HOL blocking events (merge_outputs)
         if cluster.pd:
             edims = dataclasses.replace(edims, exit_log=2 * edims.batch_slots, transfers=True)
         gateway_slots = 0
@@ -336,7 +337,19 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
     fields["status"][rejected] = so.REJECTED
     if host.gateway is not None:
         fields.update(_gateway_outcomes(fields["status"], host.gateway, n))
-    return so.SimOutput(**fields, result=code), views
+    return so.SimOutput(**fields, result=code, hol_blocking_events=hol_blocking_events(
+        np.asarray(host.instances.wait_depth_sum[:num_instances]), np.asarray(host.instances.steps[:num_instances]))
+    ), views
+
+
+def hol_blocking_events(wait_depth_sum: np.ndarray, steps: np.ndarray) -> int:
+    """BLIS's HOL Blocking Events (blis-features §1.9): instances whose mean wait-queue length
+    (sampled after batch formation, every step) exceeds twice the mean over the instances; an
+    instance without steps has mean 0. None with fewer than two instances."""
+    if len(steps) < 2:
+        return 0
+    depth = np.divide(wait_depth_sum.astype(np.float64), steps, out=np.zeros(len(steps)), where=steps > 0)
+    return int((depth > 2.0 * depth.mean()).sum()) if depth.mean() > 0 else 0
 
 
 def _gateway_outcomes(status: np.ndarray, g, n: int) -> dict:

@@ -69,7 +69,8 @@ def _batch(state: EngineState, dims: EngineDims, params: EngineParams, req: Requ
     leaves_after = jnp.where(mml > 0, jnp.minimum(leaves_after, mml - 1 - progress), leaves_after)
     most_steps = jnp.min(jnp.where(valid, leaves_after - 1, _NEVER))
     full = state.batch_len >= params.max_num_seqs
-    t_limit = jnp.where(full, t_limit, jnp.minimum(t_limit, t_enqueue))
+    t_limit = jnp.minimum(t_limit, t_enqueue) if dims.sample_wait else jnp.where(full, t_limit,
+                                                                                  jnp.minimum(t_limit, t_enqueue))
     plain = (((state.wait_len == 0) | full) & (state.batch_len > 0)
              & (state.batch_len <= params.max_num_batched_tokens) & (most_steps >= 1) & (next_step < t_limit)
              & jnp.all(~valid | ((progress >= input_len) & (spare >= 0) & (spare < dims.block_size))))
@@ -140,6 +141,8 @@ def _run(state: EngineState, dims: EngineDims, params: EngineParams, req: Reques
         row_new=state.row_new.at[at_row].set(1, mode="drop"),
         steps=state.steps + k,
         coasted_steps=state.coasted_steps + k,
+        # the queue is constant within a run when dims.sample_wait (the only case where this is read)
+        wait_depth_sum=state.wait_depth_sum + k * state.wait_len,
         events=state.events + k,
         now=clock,
         sim_end=jnp.maximum(state.sim_end, clock),

@@ -63,6 +63,9 @@ class EngineDims:
     inbox: int = 64  # cluster instances: routed requests awaiting their enqueue (inbox.py)
     exit_log: int = 1  # completions the PD cluster has not read yet (1: not logged)
     transfers: bool = False  # requests may arrive with their prompt's KV already transferred (transfer.py)
+    # clusters: each step's wait-queue length is summed (HOL blocking events), so a decode run
+    # also stops at an enqueue into a full batch's queue (the steps after it see a longer queue)
+    sample_wait: bool = False
     coast_steps: int = 64  # most plain decode steps run as one event after a step (coast.py; 1 = off)
 
     @property

@@ -329,6 +329,8 @@ def step(state, dims: EngineDims, params: EngineParams, req: RequestArrays, mode
     state, step_sample = _detach_step_log(state)
     state, budget, preempted = batch.schedule_running(state, dims, params, req, run)
     state = batch.admit_waiting(state, dims, params, req, budget, preempted, run)
+    # BLIS samples |WaitQ| after batch formation, every step (blis-features §2.4)
+    state = dataclasses.replace(state, wait_depth_sum=state.wait_depth_sum + jnp.where(run, state.wait_len, 0))
     state, step_us, step_sample = _execute(state, step_sample, dims, req, model, run)
     state = _finish_requests(state, dims, params, req, model, step_us, run)
     more = run & ((state.batch_len > 0) | (state.wait_len > 0))

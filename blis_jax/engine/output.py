@@ -100,6 +100,7 @@ class SimOutput:
     peak_batch_size: np.ndarray
     result: int = RESULT_OK
     gateway_delay_us: np.ndarray | None = None  # flow control: dispatch - enqueue per request, -1 if never dispatched
+    hol_blocking_events: int = 0  # clusters: instances whose mean wait queue is > 2x the cross-instance mean
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():

@@ -19,7 +19,8 @@ are a pool of rows per client (lengths drawn up front, `pool_base` = the pool's 
 the k-th follow-up generated (k = `follow_ups`) is pool row `pool_base + k` of the completing
 user's client; once k reaches the pool size (the budget) nothing more is generated. A pool
 row has no static slot (`slot_of` finds it), and the loop records the slot that took each pool
-row in `pool_user` (write-only, for the host: `settle_sessions`).
+row in `pool_user`, and the generation order of every follow-up in `follow_seq` (both write-only,
+for the host: `settle_sessions`).
 """
 
 from __future__ import annotations
@@ -121,4 +122,6 @@ def on_completion(state: EngineState, params: EngineParams, req: RequestArrays, 
         follow_ups=state.follow_ups + generate,
         pool_user=state.pool_user.at[jnp.where(generate & pooled, nxt_safe, n)].set(slot.astype(jnp.int32),
                                                                                    mode="drop"),
+        # the trace lists same-tick arrivals in generation order (blis-rng §12)
+        follow_seq=state.follow_seq.at[jnp.where(generate, nxt_safe, n)].set(state.follow_ups, mode="drop"),
     )

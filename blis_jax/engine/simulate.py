@@ -215,8 +215,9 @@ def simulate_sessions(
                           "order the queue by arrival time, which a follow-up round only gets during the run)")
     state, dims, code, itl_reader = _drive(requests, sessions, params, model, **kwargs)
     out = to_output(state, dims, params, requests, code, itl_reader)
-    arrival, pool_user = (np.asarray(a)[: len(requests)] for a in jax.device_get((state.arrival, state.pool_user)))
-    rows, settled = settle_sessions(requests, sessions, arrival, pool_user)
+    arrival, pool_user, follow_seq = (np.asarray(a)[: len(requests)] for a in jax.device_get(
+        (state.arrival, state.pool_user, state.follow_seq)))
+    rows, settled = settle_sessions(requests, sessions, arrival, pool_user, follow_seq)
     return settled, out.take(rows)
 
 
@@ -235,9 +236,9 @@ def simulate_traced(
     state, dims, code, itl_reader = _drive(requests, links, params, model, events_per_chunk=events_per_chunk,
                                            trace_steps=True, **kwargs)
     out = to_output(state, dims, params, requests, code, itl_reader)
-    host = jax.device_get((state.arrival, state.out_first_step, state.pool_user))
+    host = jax.device_get((state.arrival, state.out_first_step, state.pool_user, state.follow_seq))
     rows, settled = settle_sessions(requests, links, np.asarray(host[0])[: len(requests)],
-                                    np.asarray(host[2])[: len(requests)])
+                                    np.asarray(host[2])[: len(requests)], np.asarray(host[3])[: len(requests)])
     start, duration, basis = itl_reader.step_trace()
     return settled, out.take(rows), (start, duration, basis, np.asarray(host[1])[: len(requests)][rows])
 

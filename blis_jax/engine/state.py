@@ -91,6 +91,7 @@ class EngineState(eqx.Module):
     sess_live: Int32[Array, " S"]
     follow_ups: Int64[Array, ""]  # rounds generated so far
     pool_user: Int32[Array, " N"]  # session slot that took each follow-up pool row, -1 none (write-only)
+    follow_seq: Int64[Array, " N"]  # generation order of each follow-up generated, -1 none (write-only)
 
     # in-flight requests, by enqueue position modulo W
     win_status: Int32[Array, " W"]
@@ -135,6 +136,7 @@ class EngineState(eqx.Module):
     batch_rows: Int32[Array, " S"]
     batch_len: Int32[Array, ""]
     peak_batch_len: Int32[Array, ""]  # largest batch_len so far (sweeps share runs it never reached max-num-seqs in)
+    wait_depth_sum: Int64[Array, ""]  # Σ over steps of the wait-queue length after batch formation (HOL blocking)
     fifo_head: Int32[Array, ""]  # fcfs: first enqueue-order position that may still wait
     front: Int32[Array, " P"]  # fcfs: preempted requests, stack top = queue head
     front_len: Int32[Array, ""]
@@ -224,6 +226,7 @@ def init_state(
         sess_live=jnp.full(dims.sessions, -1, jnp.int32),
         follow_ups=i64(0),
         pool_user=jnp.full(n, -1, jnp.int32),
+        follow_seq=jnp.full(n, -1, jnp.int64),
         win_status=jnp.zeros(w, jnp.int32),
         win_row=jnp.full(w, -1, jnp.int32),
         out_status=jnp.zeros(n, jnp.int32),
@@ -259,6 +262,7 @@ def init_state(
         batch_rows=jnp.full(s, -1, jnp.int32),
         batch_len=i32(0),
         peak_batch_len=i32(0),
+        wait_depth_sum=jnp.int64(0),
         fifo_head=i32(0),
         front=jnp.full(dims.preempted_slots, -1, jnp.int32),
         front_len=i32(0),

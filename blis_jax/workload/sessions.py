@@ -217,10 +217,12 @@ def _concurrency_requests(workload) -> tuple[RequestSet, SessionLinks]:
 
 
 def settle_sessions(requests: RequestSet, links: SessionLinks, arrival_us: np.ndarray,
-                    pool_user: np.ndarray | None = None):
+                    pool_user: np.ndarray | None = None, follow_seq: np.ndarray | None = None):
     """(rows kept, final RequestSet) after a run: generated rounds get their arrival and
-    deadline; rounds never generated are dropped; rows re-sorted by arrival (static rows keep
-    their ids; follow-ups are numbered after them in arrival order). `pool_user`: the session
+    deadline; rounds never generated are dropped; rows re-sorted in BLIS's cluster-arrival
+    order and numbered by it, as its trace export does (blis-rng §12): by arrival, static rows
+    before follow-ups of the same tick, follow-ups of one tick in generation order
+    (`follow_seq`, EngineState.follow_seq; without it, in row order). `pool_user`: the session
     slot the engine gave each concurrency pool row it generated (EngineState.pool_user); such a
     row takes its user's session id and the next round index."""
     arrival_us = np.asarray(arrival_us, np.int64)
@@ -245,11 +247,10 @@ def settle_sessions(requests: RequestSet, links: SessionLinks, arrival_us: np.nd
         session_id[pooled[order]] = requests.session_id[first[grouped]]
         round_index[pooled[order]] = requests.round_index[first[grouped]] + 1 + rank
     rows = np.flatnonzero(keep)
-    rows = rows[np.argsort(arrival_us[rows], kind="stable")]
-    n_static = int((~links.follow_up).sum())
     follow = links.follow_up[rows]
-    ids = requests.request_id[rows].copy()
-    ids[follow] = n_static + np.arange(int(follow.sum()))
+    tie = rows if follow_seq is None else np.where(follow, np.asarray(follow_seq, np.int64)[rows], rows)
+    rows = rows[np.lexsort((tie, follow, arrival_us[rows]))]
+    ids = np.arange(len(rows), dtype=np.int64)
     deadline = np.where(links.follow_up & (links.timeout_us > 0), arrival_us + links.timeout_us, requests.deadline_us)
     settled = make_request_set(
         request_id=ids, arrival_us=arrival_us[rows], input_len=requests.input_len[rows],

@@ -128,10 +128,17 @@ class TraceHeader:
         values = {"trace_version": self.trace_version, "time_unit": self.time_unit,
                   "created_at": self.created_at, "mode": self.mode,
                   "warm_up_requests": self.warm_up_requests, "workload_seed": self.workload_seed,
+                  # BLIS writes its target struct: fields in declaration order, whole numbers bare
                   "goodput_slo_targets": (None if self.goodput_slo_targets is None else
-                                          {c: dict(t) for c, t in self.goodput_slo_targets.items()}),
+                                          {c: {d: _yaml_number(t[d]) for d in GOODPUT_DIMENSIONS if d in t}
+                                           for c, t in self.goodput_slo_targets.items()}),
                   **dict(self.extra)}
         return {k: values[k] for k in _HEADER_ORDER if values.get(k) is not None}
+
+
+def _yaml_number(value: float) -> float | int:
+    """Go's YAML writes a float64 with an integral value as an integer (`200`, not `200.0`)."""
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**53 else value
 
 
 class _SimResultLike(Protocol):
