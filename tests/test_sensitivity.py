@@ -48,7 +48,9 @@ def smooth():
 def test_fixed_schedule_model_reproduces_the_run(smooth):
     base, table = smooth
     assert base.metrics["completed_requests"] == 200
-    assert table.notes == ()          # no metric differs from the simulated one at the simulated θ
+    # no metric differs from the simulated one at the simulated θ (a note on tied order
+    # statistics of a percentile is only about which one-sided derivative is reported)
+    assert [n for n in table.notes if "share the simulated value" not in n] == []
     assert table.metric_values["ttft_mean"] == base.metrics["ttft_mean_ms"]
     # each α enters linearly (ms per µs): α0 once per TTFT, α1 once per E2E, α2 once per ITL sample
     expected = {("ttft_mean", "alpha0"): 1e-3, ("ttft_mean", "alpha1"): 0.0, ("e2e_mean", "alpha0"): 1e-3,

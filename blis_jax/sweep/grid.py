@@ -124,8 +124,8 @@ def load_grid(path: str | Path) -> Grid:
     path = resolve_grid_path(path)
     if not path.exists():
         names = ", ".join(sorted(p.stem for p in bundled_dir("sweeps").glob("*.yaml")))
-        raise ConfigError(f"grid {short_path(path)}: no such file; give a grid YAML file or a bundled "
-                          f"grid name ({names})")
+        raise ConfigError(f"grid {short_path(path)}: cannot read it (no such file); give a grid YAML file "
+                          f"or a bundled grid name ({names})")
     text = read_text(path, f"grid {path}")
     return parse_grid(load_yaml(text, source=f"grid {path}"), source=str(path), root=path.parent)
 
