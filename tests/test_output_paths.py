@@ -169,6 +169,7 @@ def test_atomic_write_replaces_whole_file_or_leaves_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]  # no temporary left behind
 
 
+@pytest.mark.slow  # 17 s of simulation: the default suite's time budget
 def test_distinct_outputs_are_written(files, tmp_path):
     """The rule does not refuse a legitimate command: every output lands, inputs unchanged."""
     before = snapshot(files["header"], files["data"])

@@ -94,6 +94,7 @@ def test_smallest_instance_count_checks_out(tmp_path):
     assert [(r["num-instances"], r["meets_slo"]) for r in rows] == [(n, n >= chosen) for n in (1, 2, 4)]
 
 
+@pytest.mark.slow  # 30 s: the default suite's time budget (the other plan tests cover the search)
 def test_smallest_batch_limit_with_candidates_flag(tmp_path):
     """Search down (min) over an axis the grid does not have (--candidates): the smallest
     max-num-seqs that keeps p99 TTFT within the target at 20 req/s."""

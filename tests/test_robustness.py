@@ -190,6 +190,7 @@ def test_a_300_kB_cell_is_data_not_an_error(tmp_path):
     assert len(requests) == 1 and list(requests.input_len) == [32]
 
 
+@pytest.mark.slow  # 15 s of simulation: the default suite's time budget
 def test_write_failure_message_is_one_clean_line(tmp_path, monkeypatch):
     """A write that fails after the run (e.g. ENOSPC) is one `error: FILE: reason` line."""
     import errno

@@ -119,6 +119,7 @@ def test_family_key_separates_every_other_input():
         assert shared_runs.family_key(different) != key
 
 
+@pytest.mark.slow  # 28 s: the default suite's time budget
 def test_mapped_chunks_equal_one_lane_per_device(monkeypatch):
     """Several lanes per device in one program (lax.map), the last chunk padded with idle
     lanes, give each lane's own `simulate_instance` output."""
