@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 
 from blis_jax.rng.go_rand import GoRand
+from blis_jax.rng.streams import fnv1a64
 
 # BLIS cmd/observe_cmd.go: the NATO alphabet, then 74 plant, spice and nature words.
 VOCABULARY: tuple[str, ...] = tuple("""
@@ -32,7 +33,6 @@ assert len(VOCABULARY) == 100 and len(set(VOCABULARY)) == 100
 
 PROBE_PROMPT = " ".join(VOCABULARY)  # the calibration probe: all words once, no trailing space
 DEFAULT_PREFIX_LENGTH = 50  # a client naming a group without prefix_length
-_FNV_OFFSET, _FNV_PRIME = 14695981039346656037, 1099511628211
 
 # A word-index stream for a prefix group: (group seed, count) → `count` indices in [0, 100).
 WordDraws = Callable[[int, int], Sequence[int]]
@@ -57,10 +57,7 @@ def word_count(tokens: int, ratio: float) -> int:
 
 def group_seed(seed: int, group: str) -> int:
     """64-bit FNV-1a over the seed's 8 little-endian bytes and the group name, as int64."""
-    h = _FNV_OFFSET
-    for b in (seed & ((1 << 64) - 1)).to_bytes(8, "little") + group.encode():
-        h = ((h ^ b) * _FNV_PRIME) & ((1 << 64) - 1)
-    return h - (1 << 64) if h >= 1 << 63 else h
+    return fnv1a64((seed & ((1 << 64) - 1)).to_bytes(8, "little") + group.encode())
 
 
 def go_word_draws(seed: int, count: int) -> list[int]:

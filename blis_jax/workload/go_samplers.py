@@ -8,6 +8,7 @@ BLIS's values.
 
 from __future__ import annotations
 
+import abc
 import bisect
 import math
 from collections.abc import Callable, Mapping
@@ -37,14 +38,15 @@ def _pow(x: float, y: float) -> float:
         return math.nan
 
 
-class LengthSampler:
+class LengthSampler(abc.ABC):
     """A BLIS length sampler: `sample(stream)` → int; `draws` is False for samplers that
     never touch the stream (constant, degenerate Gaussian, ≤ 1 empirical bin)."""
 
     draws = True
 
-    def sample(self, r: GoRand) -> int:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def sample(self, r: GoRand) -> int:
+        """One length drawn from `r`."""
 
     def __call__(self, r: GoRand) -> int:
         return self.sample(r)
