@@ -22,6 +22,8 @@ def _vectors():
 
 
 def _streams():
+    if not (GO_RAND / "vectors.json").is_file():  # no ../shared: the module is skipped (pytestmark)
+        return []
     data = _vectors()["vectors"]
     return [pytest.param(v, id=str(v["seed"])) for v in data]
 
