@@ -77,9 +77,44 @@ def call(program: Callable, name: str, *args):
     key = program_key(name, args)
     compiled = _LOADED.get(key)
     if compiled is None:
-        compiled = _load(directory / key) or _store(directory / key, program.lower(*args).compile())
+        compiled = _load(directory / key)
+        if compiled is None:
+            executable, storable = _compile(program, args)
+            compiled = _store(directory / key, executable) if storable else _as_flat_call(executable)
         _LOADED[key] = compiled
     return compiled(*jax.tree.leaves(args))
+
+
+def _compile(program: Callable, args) -> tuple[object, bool]:
+    """`program` compiled for `args`, and whether that executable may be written to disk.
+
+    It may not when JAX's persistent compilation cache supplied it: XLA:CPU serializes an
+    executable it read back from that cache without the object code of its fused kernels, and
+    a later process that loads it fails on its first call ("Function ... fusion not found").
+    Such a process runs on the cache's copy and writes nothing."""
+    hits_before = _persistent_cache_hits()
+    compiled = program.lower(*args).compile()
+    return compiled, _persistent_cache_hits() == hits_before
+
+
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_cache_hits = [0]
+
+
+def _count_cache_hit(event: str, **_) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _cache_hits[0] += 1
+
+
+@functools.cache
+def _listen_for_cache_hits() -> None:
+    jax.monitoring.register_event_listener(_count_cache_hit)
+
+
+def _persistent_cache_hits() -> int:
+    """JAX persistent-cache hits in this process since this module first asked."""
+    _listen_for_cache_hits()
+    return _cache_hits[0]
 
 
 def _load(path: Path) -> Callable | None:
@@ -119,6 +154,12 @@ def _store(path: Path, compiled):
         _prune(path.parent, MAX_BYTES)
     except Exception:  # noqa: BLE001 - e.g. XLA cannot serialize some programs: only the next process pays
         pass
+    return _as_flat_call(compiled)
+
+
+def _as_flat_call(compiled):
+    """`compiled` called with its input leaves as positional arguments, as a loaded entry is."""
+    in_tree = compiled.in_tree
     return lambda *leaves: compiled(*jax.tree.unflatten(in_tree, leaves)[0])
 
 

@@ -120,3 +120,38 @@ def test_prune_keeps_the_most_recently_used(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["middle", "new"]
     executables._prune(tmp_path, 0)
     assert list(tmp_path.iterdir()) == []
+
+
+_SMALL_PROGRAM = """
+import sys
+from pathlib import Path
+import jax, jax.numpy as jnp
+from blis_jax import compile_cache, executables
+cache = Path(sys.argv[1])
+jax.config.update("jax_compilation_cache_dir", str(cache / "jax"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+compile_cache.set_executable_dir(cache / "executables")
+program = jax.jit(lambda x: jnp.where(jnp.sort(x) > 2, jnp.exp(jnp.cumsum(x) / 100), -x).sum())
+print(float(executables.call(program, "small", jnp.arange(100.0))), executables.stats["stored"])
+"""
+
+
+def test_an_executable_from_jax_s_cache_is_not_written(tmp_path):
+    """The CI failure of stop 26: a process whose compilation JAX's persistent cache answered
+    wrote that executable to disk; XLA:CPU had serialized it without its kernels' object code,
+    and the next process failed on its first call ("Function ... fusion not found")."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+    def run() -> tuple[str, int]:
+        done = subprocess.run([sys.executable, "-c", _SMALL_PROGRAM, str(tmp_path)], env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        value, stored = done.stdout.split()
+        return value, int(stored)
+
+    value, stored = run()                    # compiled: JAX's cache and ours written
+    assert stored == 1
+    for entry in (tmp_path / "executables").iterdir():
+        entry.unlink()                       # ours lost (pruned), JAX's kept
+    assert run() == (value, 0)               # answered by JAX's cache: nothing written
+    assert run() == (value, 0)               # and so nothing broken to load
