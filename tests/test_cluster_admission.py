@@ -247,10 +247,11 @@ def test_bad_gaie_flags(kwargs, flag):
 
 
 def test_cli_flags_reach_the_load_reading_policies():
-    from blis_jax.cli import build_parser, cluster_config
+    from blis_jax.cli import build_parser
+    from blis_jax.cli.scenario_flags import cluster
 
     def policy(*flags):
-        return cluster_config(build_parser().parse_args(["run", "--num-instances", "2", *flags])).admission()
+        return cluster(build_parser().parse_args(["run", "--num-instances", "2", *flags])).validate().admission()
 
     shed = policy("--admission-policy", "tier-shed", "--tier-shed-threshold", "7", "--tier-shed-min-priority", "3")
     assert isinstance(shed, adm.TierShed) and (int(shed.threshold), int(shed.min_priority)) == (7, 3)

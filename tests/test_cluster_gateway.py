@@ -156,10 +156,11 @@ def test_bad_flags_name_the_flag(flags, message):
 def test_flow_control_is_the_admission_policy():
     with pytest.raises(ConfigError, match="the gateway queue is the admission policy"):
         ClusterConfig(num_instances=2, admission_policy="token-bucket", flow_control=gw.FlowControlConfig()).validate()
-    from blis_jax.cli import build_parser, cluster_config
+    from blis_jax.cli import build_parser
+    from blis_jax.cli.scenario_flags import cluster
     with pytest.raises(ConfigError, match="need --flow-control"):
-        cluster_config(build_parser().parse_args(["run", "--saturation-detector", "utilization"]))
-    config = cluster_config(build_parser().parse_args(["run", "--flow-control", "--request-ttl", "5000"]))
+        cluster(build_parser().parse_args(["run", "--saturation-detector", "utilization"]))
+    config = cluster(build_parser().parse_args(["run", "--flow-control", "--request-ttl", "5000"])).validate()
     assert config.flow_control.request_ttl_us == 5000
 
 

@@ -195,12 +195,12 @@ def test_write_failure_message_is_one_clean_line(tmp_path, monkeypatch):
     """A write that fails after the run (e.g. ENOSPC) is one `error: FILE: reason` line."""
     import errno
 
-    from blis_jax import cli as cli_module
+    from blis_jax import output as output_module
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "m.json"))
 
-    monkeypatch.setattr(cli_module, "write_metrics_file", full)
+    monkeypatch.setattr(output_module, "write_metrics_file", full)
     header, data = write_trace_files(tmp_path)
     rc, _, err = cli("replay", "--trace-header", header, "--trace-data", data, "--metrics-path", tmp_path / "m.json",
                      "--total-kv-blocks", "4096", "--horizon", "100000000")

@@ -18,6 +18,7 @@ REPOSITORY_FOLDERS = {
     "models": "configs/models",
     "hardware": "configs/hardware",
     "sweeps": "configs/sweeps",
+    "presets": "configs/presets",
     "fits": "fits",
 }
 

@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from blis_jax.errors import ConfigError
+from blis_jax.naming import name
 from blis_jax.workload.requests import RequestSet
 
 
@@ -74,17 +75,19 @@ class DistributionWorkload:
     def __post_init__(self) -> None:
         if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) \
                 or not math.isfinite(self.rate) or self.rate <= 0:
-            raise ConfigError(f"--rate: {self.rate!r} must be a finite number of requests/s > 0")
-        _check_int("--num-requests", self.num_requests, minimum=0)
-        _check_int("--prefix-tokens", self.prefix_tokens, minimum=0)
+            raise ConfigError(f"{name('workload.rate')}: {self.rate!r} must be a finite number of requests/s > 0")
+        _check_int(name("workload.num_requests"), self.num_requests, minimum=0)
+        _check_int(name("workload.prefix_tokens"), self.prefix_tokens, minimum=0)
         if self.horizon_us is not None:
-            _check_int("--horizon", self.horizon_us, minimum=1)
+            _check_int(name("horizon_us"), self.horizon_us, minimum=1)
         if self.num_requests == 0 and self.horizon_us is None:
-            raise ConfigError("--num-requests is 0 and no --horizon is set; give at least one bound")
+            raise ConfigError(f"{name('workload.num_requests')} is 0 and no {name('horizon_us')} is set; give at "
+                              "least one bound")
         if not isinstance(self.timeout_s, (int, float)) or math.isnan(self.timeout_s) or self.timeout_s == 0:
-            raise ConfigError(f"--timeout: {self.timeout_s!r} s is invalid; use seconds > 0, or < 0 to disable")
-        self.prompt.check("--prompt-tokens")
-        self.output.check("--output-tokens")
+            raise ConfigError(f"{name('workload.timeout_s')}: {self.timeout_s!r} s is invalid; use seconds > 0, or "
+                              "< 0 to disable")
+        self.prompt.check(name("workload.prompt"))
+        self.output.check(name("workload.output"))
 
 
 def constant_iat_us(rate: float) -> int:

@@ -31,104 +31,40 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, TextIO
 
-from blis_jax.config import (
-    auto_kv_blocks,
-    auto_max_model_len,
-    bundled_gpu_names,
-    bundled_model_ids,
-    load_coefficients,
-    load_gpu,
-    load_model,
-)
-from blis_jax.config.coefficients import check_alpha, check_beta
-from blis_jax.config.kv_capacity import kv_bytes_per_token
+from blis_jax import limits
+from blis_jax.cli import scenario_flags
+from blis_jax.cli.scenario_flags import FLAG_OF_FIELD, scenario_config
 from blis_jax.cluster.admission import ADMISSION_POLICIES
-from blis_jax.cluster.deployments import PoolDeployment
-from blis_jax.cluster.gateway import DISPATCH_ORDERS, FAIRNESS_POLICIES, SATURATION_DETECTORS, FlowControlConfig
+from blis_jax.cluster.gateway import DISPATCH_ORDERS, FAIRNESS_POLICIES, SATURATION_DETECTORS
 from blis_jax.cluster.pd import PD_DECIDERS
 from blis_jax.cluster.routing import ROUTING_POLICIES
 from blis_jax.cluster.scorers import DEFAULT_PROFILE, SCORERS
-from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster_views
-from blis_jax.engine import results as result_codes
+from blis_jax.config import bundled_gpu_names, bundled_model_ids
 from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
-from blis_jax.engine.params import make_engine_params
-from blis_jax.engine.simulate import simulate_instance, simulate_sessions
-from blis_jax import limits
-from blis_jax.errors import ConfigError
+from blis_jax.errors import ConfigError, SimulationFailed
 from blis_jax.io_safety import atomic_write_text, check_command_paths, short
-from blis_jax.latency import build_latency_model
-from blis_jax.output import (
-    format_pd_section,
-    pd_summary,
-    pd_trace_outcomes,
-    render_stdout,
-    write_metrics_file,
-    write_results_file,
+from blis_jax.naming import naming
+from blis_jax.scenario import ResolvedScenario, ScenarioConfig, SimulationResult, resolve, resolve_deployment, simulate
+from blis_jax.scenario.config import (
+    DEFAULT_HARDWARE,
+    DEFAULT_MODEL,
+    DEFAULT_TP,
+    INT64_MAX,
+    INT64_MIN,
+    LATENCY_MODELS,
 )
-from blis_jax.workload.distribution import (
-    DEFAULT_TIMEOUT_S,
-    OUTPUT_DEFAULT,
-    constant_iat_us,
-    PROMPT_DEFAULT,
-    DistributionWorkload,
-    GaussianLength,
-    generate_distribution,
-)
-from blis_jax.workload.presets import PRESETS, preset_workload
-from blis_jax.workload.requests import RequestSet
-from blis_jax.workload.tracev2 import TraceHeader, read_trace, write_trace
+from blis_jax.workload.distribution import OUTPUT_DEFAULT, PROMPT_DEFAULT
+from blis_jax.workload.presets import PRESETS
+from blis_jax.workload.tracev2 import TraceHeader, read_trace
 
 PROG = "blis-jax"
 EXIT_USAGE = 2  # bad flags or input data
 EXIT_FAILURE = 1  # the simulation itself could not finish
 
-DEFAULT_MODEL = "meta-llama/llama-3.1-8b-instruct"
-DEFAULT_HARDWARE = "H100"
-DEFAULT_TP = 1
-LATENCY_MODELS = ("trained-physics", "roofline")
 WORKLOADS = ("distribution", *PRESETS)
 LOG_LEVELS = ("trace", "debug", "info", "warn", "warning", "error", "fatal", "panic")
-# BLIS `--total-kv-blocks` default: a phantom value used only when auto-sizing fails.
-PHANTOM_KV_BLOCKS = 1_000_000
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 PROGRESS_DELAY_S = 2.0  # on a terminal, progress appears once a run has taken this long
 PROGRESS_EVENTS_PER_CHUNK = 5_000  # engine events between progress reports
-
-# BLIS `defaults.yaml` → `defaults:` (GPU, tensor_parallelism) per lower-cased model id; used
-# when --hardware / --tp are not given. Every entry of that table, not only bundled models.
-MODEL_DEFAULTS: dict[str, tuple[str, int]] = {
-    "ibm-granite/granite-3.1-8b-instruct": ("H100", 1),
-    "meta-llama/llama-3.1-8b-instruct": ("H100", 1),
-    "meta-llama/llama-3.3-70b-instruct": ("H100", 4),
-    "meta-llama/llama-4-maverick-17b-128e-instruct-fp8": ("H100", 8),
-    "codellama/codellama-34b-instruct-hf": ("H100", 2),
-    "meta-llama/llama-4-scout-17b-16e-instruct": ("H100", 4),
-    "microsoft/phi-4": ("H100", 1),
-    "mistralai/mistral-small-24b-instruct-2501": ("H100", 1),
-    "mistralai/mistral-small-3.1-24b-instruct-2503": ("H100", 1),
-    "nvidia/llama-3.1-nemotron-70b-instruct-hf": ("H100", 4),
-    "openai/gpt-oss-120b": ("H100", 4),
-    "openai/gpt-oss-20b": ("H100", 1),
-    "qwen/qwen2.5-3b-instruct": ("H100", 1),
-    "qwen/qwen3-14b": ("H100", 1),
-    "qwen/qwen2.5-7b-instruct": ("H100", 1),
-    "redhatai/llama-3.1-nemotron-70b-instruct-hf-fp8-dynamic": ("H100", 2),
-    "redhatai/llama-3.3-70b-instruct-quantized.w4a16": ("H100", 1),
-    "redhatai/llama-3.3-70b-instruct-quantized.w8a8": ("H100", 2),
-    "redhatai/llama-4-scout-17b-16e-instruct-fp8-dynamic": ("H100", 2),
-    "redhatai/llama-4-scout-17b-16e-instruct-quantized.w4a16": ("H100", 1),
-    "redhatai/mistral-small-3.1-24b-instruct-2503-fp8-dynamic": ("H100", 1),
-    "redhatai/mistral-small-3.1-24b-instruct-2503-quantized.w4a16": ("H100", 1),
-    "redhatai/mistral-small-3.1-24b-instruct-2503-quantized.w8a8": ("H100", 1),
-    "redhatai/phi-4-fp8-dynamic": ("H100", 1),
-    "redhatai/phi-4-quantized.w4a16": ("H100", 1),
-    "redhatai/phi-4-quantized.w8a8": ("H100", 1),
-    "redhatai/qwen2.5-7b-instruct-fp8-dynamic": ("H100", 1),
-    "redhatai/qwen2.5-7b-instruct-quantized.w4a16": ("H100", 1),
-    "redhatai/qwen2.5-7b-instruct-quantized.w8a8": ("H100", 1),
-    "redhatai/smollm3-3b-fp8-dynamic": ("H100", 1),
-}
-
 
 # --------------------------------------------------------------------------------- parser
 
@@ -573,238 +509,53 @@ def _one_line(message: str) -> str:
 
 
 
-# --------------------------------------------------------------------------- configuration
+# ------------------------------------------------------------------------------- commands
 
 
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    """Everything but the requests: the resolved configuration of one simulation."""
-
-    latency_model: object
-    model_id: str
-    hardware: str
-    tp: int
-    latency_kind: str
-    total_kv_blocks: int
-    max_model_len: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    long_prefill_token_threshold: int
-    scheduler: str
-    preemption_policy: str
-    horizon_us: int | None
-    cluster: ClusterConfig = ClusterConfig()
-    kv_bytes_per_token: float = 0.0  # per GPU (sizes PD KV transfers)
-    prefill_pool: PoolDeployment | None = None  # PD pools on their own hardware / TP
-    decode_pool: PoolDeployment | None = None
-
-    @property
-    def single_instance(self) -> bool:
-        """Served by the single-instance engine: one instance that admits every request at its
-        arrival (no admission or routing latency, no gateway queue)."""
-        c = self.cluster
-        return (c.num_instances == 1 and c.admission_policy == "always-admit" and c.flow_control is None
-                and c.admission_latency_us == 0 and c.routing_latency_us == 0)
+def _seed_given(args) -> bool:
+    return not isinstance(args.seed, DefaultSeed)
 
 
-def cluster_config(args) -> ClusterConfig:
-    """The cluster flags, validated (errors name the flag)."""
-    if args.num_instances < 1:
-        raise ConfigError(f"--num-instances {args.num_instances}: must be >= 1")
-    if args.routing_scorers is not None and args.routing_policy != "weighted":
-        raise ConfigError(f"--routing-scorers is used by --routing-policy weighted only, but the policy is "
-                          f"{args.routing_policy}; add --routing-policy weighted or drop --routing-scorers")
-    return ClusterConfig(
-        num_instances=args.num_instances, routing_policy=args.routing_policy, routing_scorers=args.routing_scorers,
-        admission_policy=args.admission_policy, token_bucket_capacity=args.token_bucket_capacity,
-        token_bucket_refill_rate=args.token_bucket_refill_rate,
-        tier_shed_threshold=args.tier_shed_threshold, tier_shed_min_priority=args.tier_shed_min_priority,
-        queue_depth_threshold=args.queue_depth_threshold, kv_cache_util_threshold=args.kv_cache_util_threshold,
-        snapshot_refresh_interval_us=args.snapshot_refresh_interval, cache_signal_delay_us=args.cache_signal_delay,
-        admission_latency_us=args.admission_latency, routing_latency_us=args.routing_latency, seed=int(args.seed),
-        prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
-        pd_decider=args.pd_decider, pd_prefix_threshold=args.pd_prefix_threshold,
-        pd_transfer_bandwidth=args.pd_transfer_bandwidth, pd_transfer_base_latency=args.pd_transfer_base_latency,
-        pd_transfer_contention=args.pd_transfer_contention,
-        prefill_routing_scorers=args.prefill_routing_scorers, decode_routing_scorers=args.decode_routing_scorers,
-        flow_control=_flow_control(args),
-    ).validate()
+def resolve_command(args, diag: Diagnostics) -> ResolvedScenario:
+    """`run`'s or `replay`'s flags → the resolved scenario; errors name the flags."""
+    with naming(FLAG_OF_FIELD):
+        config = scenario_config(args, seed_given=_seed_given(args))
+        return resolve(config, warn=diag.warn)
 
 
-def _flow_control(args) -> FlowControlConfig | None:
-    names = ("saturation_detector", "dispatch_order", "fairness_policy", "slo_targets", "max_gateway_queue_depth",
-             "per_band_capacity", "queue_shedding", "usage_limit_threshold", "max_concurrency",
-             "in_flight_eviction")
-    config = FlowControlConfig(**{name: getattr(args, name) for name in names}, request_ttl_us=args.request_ttl,
-                               dispatch_tick_interval_us=args.dispatch_tick_interval)
-    if not args.flow_control:
-        if config != FlowControlConfig():
-            raise ConfigError("the gateway-queue flags (--saturation-detector, --dispatch-order, ...) need "
-                              "--flow-control")
-        return None
-    return config
-
-
-def parse_coefficients(flag: str, text: str) -> tuple[float, ...]:
-    """A comma-separated list of finite numbers; the error names the flag and position."""
-    values = []
-    for i, part in enumerate(text.split(",")):
-        part = part.strip()
-        try:
-            value = float(part)
-        except ValueError:
-            raise ConfigError(f"{flag}: value {i + 1} ({part!r}) is not a number; give a "
-                              "comma-separated list such as 15563.2,777.35,45.91") from None
-        if not math.isfinite(value):
-            raise ConfigError(f"{flag}: value {i + 1} is {part}; coefficients must be finite numbers")
-        values.append(value)
-    return tuple(values)
-
-
-def _latency_coefficients(args) -> tuple[str, tuple | None, tuple | None]:
-    """(kind, alpha, beta) from --latency-model, --alpha/--beta-coeffs and --coefficients."""
-    given_alpha, given_beta = args.alpha_coeffs is not None, args.beta_coeffs is not None
-    if given_alpha != given_beta:
-        missing = "--beta-coeffs" if given_alpha else "--alpha-coeffs"
-        present = "--alpha-coeffs" if given_alpha else "--beta-coeffs"
-        raise ConfigError(f"{present} needs {missing} too: give both coefficient lists or neither")
-    if args.coefficients is not None and given_alpha:
-        raise ConfigError("--coefficients and --alpha-coeffs/--beta-coeffs both set; use one source")
-    kind = args.latency_model or "trained-physics"
-    if kind == "roofline" and (given_beta or args.coefficients is not None):
-        flag = "--beta-coeffs" if given_beta else "--coefficients"
-        raise ConfigError(f"{flag} is for trained-physics only, but --latency-model is roofline; "
-                          "drop it or use --latency-model trained-physics")
-    if given_alpha:
-        alpha = parse_coefficients("--alpha-coeffs", args.alpha_coeffs)
-        beta = parse_coefficients("--beta-coeffs", args.beta_coeffs)
-        for flag, check, values in (("--alpha-coeffs", check_alpha, alpha), ("--beta-coeffs", check_beta, beta)):
-            try:
-                check(values)
-            except ConfigError as e:
-                raise ConfigError(f"{flag}: {e}") from None
-        return kind, alpha, beta
-    if args.coefficients is not None:
-        coeffs = load_coefficients(args.coefficients)
-        return kind, coeffs.alpha, coeffs.beta
-    return kind, None, None
-
-
-def _hardware_and_tp(args, hf_id: str) -> tuple[str, int]:
-    defaults = MODEL_DEFAULTS.get(hf_id.lower()) or MODEL_DEFAULTS.get(str(args.model).lower())
-    for flag, value in (("--hardware", args.hardware), ("--prefill-hardware", args.prefill_hardware),
-                        ("--decode-hardware", args.decode_hardware)):
-        if value is not None and not value.strip():
-            raise ConfigError(f"{flag}: empty GPU name; give a bundled GPU (e.g. H100) or a GPU YAML path, "
-                              "or omit the flag")
-    hardware = args.hardware or (defaults[0] if defaults else DEFAULT_HARDWARE)
-    if args.tp is not None and args.tp < 0:
-        raise ConfigError(f"--tp {args.tp}: the tensor-parallel degree must be >= 1 (0 = model default)")
-    tp = args.tp if args.tp else (defaults[1] if defaults else DEFAULT_TP)
-    return hardware, tp
-
-
-def _kv_blocks(args, arch, gpu, tp: int, diag: Diagnostics) -> int:
-    if args.total_kv_blocks is not None:
-        if args.total_kv_blocks < 1:
-            raise ConfigError(f"--total-kv-blocks {args.total_kv_blocks}: must be >= 1 "
-                              "(omit it to auto-size from GPU memory)")
-        limits.check_int("--total-kv-blocks", args.total_kv_blocks, 1, limits.MAX_KV_BLOCKS,
-                         " (block ids are 32-bit; raise --block-size-in-tokens instead)")
-        return args.total_kv_blocks
+def simulate_command(resolved: ResolvedScenario, args, stderr: TextIO) -> SimulationResult:
+    """Simulate with a progress reporter when stderr is a terminal or --progress."""
+    tty = bool(getattr(stderr, "isatty", lambda: False)())
+    reporter = ProgressReporter(stderr, tty) if (tty or args.progress) else None
+    extra = {"progress": reporter, "events_per_chunk": PROGRESS_EVENTS_PER_CHUNK} if reporter else {}
     try:
-        return auto_kv_blocks(arch, gpu, tp, gpu_memory_utilization=args.gpu_memory_utilization,
-                              block_size=args.block_size_in_tokens)
-    except ConfigError as e:
-        # BLIS: an over-committed GPU is fatal; any other auto-sizing failure falls back to
-        # the phantom --total-kv-blocks default with a warning.
-        if "do not fit" in str(e) or "divisible" in str(e):
-            raise
-        diag.warn(f"KV blocks could not be auto-computed ({e}); using --total-kv-blocks "
-                  f"{PHANTOM_KV_BLOCKS}. Pass --total-kv-blocks to set it")
-        return PHANTOM_KV_BLOCKS
+        with naming(FLAG_OF_FIELD):
+            return simulate(resolved, **extra)
+    except SimulationFailed as e:
+        raise SimulationFailed(f"{e}. Please report this with the command line") from None
+    finally:
+        if reporter is not None:
+            reporter.close()
 
 
-def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> Scenario:
-    """Validate the shared flags and build the latency model and engine limits."""
-    cluster = cluster_config(args)
-    if not INT64_MIN <= args.seed <= INT64_MAX:
-        raise ConfigError(f"--seed {args.seed}: must fit in a signed 64-bit integer")
-    if args.horizon is not None and args.horizon <= 0:
-        raise ConfigError(f"--horizon {args.horizon}: must be > 0 µs (omit it for no horizon)")
-    if args.block_size_in_tokens < 1:
-        raise ConfigError(f"--block-size-in-tokens {args.block_size_in_tokens}: must be >= 1")
-    limits.check_int("--block-size-in-tokens", args.block_size_in_tokens, 1, limits.MAX_BLOCK_SIZE,
-                     " tokens (vLLM uses 16 to 256)")
-    limits.check_int("--max-model-len", args.max_model_len, 0, limits.MAX_TOKENS, " tokens (0 = auto)")
-    limits.check_int("--max-num-batched-tokens", args.max_num_batched_tokens, 1, limits.MAX_TOKENS)
-    util = args.gpu_memory_utilization
-    if not (math.isfinite(util) and 0.0 < util <= 1.0):
-        raise ConfigError(f"--gpu-memory-utilization {util}: must be in (0, 1], e.g. 0.9")
-
-    kind, alpha, beta = _latency_coefficients(args)
-    arch = load_model(args.model)  # ids are matched case-insensitively, as BLIS lower-cases them
-    hardware, tp = _hardware_and_tp(args, arch.hf_id)
-    gpu = load_gpu(hardware)
-    try:
-        latency_model = build_latency_model(kind, arch, gpu, tp, alpha=alpha, beta=beta)
-    except ConfigError as e:
-        raise ConfigError(f"--latency-model {kind}: {e}") from None
-
-    block = args.block_size_in_tokens
-    blocks = _kv_blocks(args, arch, gpu, tp, diag)
-    max_model_len = _max_model_len("--max-model-len", args.max_model_len, arch, blocks, block)
-    pools = {pool: _pool_deployment(args, pool, cluster, arch, kind, alpha, beta, gpu, tp, diag)
-             for pool in ("prefill", "decode")}
-    return Scenario(
-        latency_model=latency_model, model_id=arch.hf_id, hardware=gpu.name, tp=tp,
-        latency_kind=kind, total_kv_blocks=blocks, max_model_len=max_model_len, block_size=block,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        scheduler=args.scheduler, preemption_policy=args.preemption_policy, horizon_us=horizon_us,
-        cluster=cluster, kv_bytes_per_token=kv_bytes_per_token(arch, tp),
-        prefill_pool=pools["prefill"], decode_pool=pools["decode"],
-    )
+def write_outputs(args, result: SimulationResult, stdout: TextIO) -> None:
+    stdout.write(result.report())
+    stdout.flush()
+    if args.metrics_path:
+        result.write_metrics(args.metrics_path)
+    if args.results_path:
+        result.write_results(args.results_path)
+    if args.trace_output:
+        result.write_trace(args.trace_output)
 
 
-def _max_model_len(flag: str, value: int, arch, blocks: int, block: int) -> int:
-    """An explicit max-model-len (checked against the KV capacity), else BLIS's auto value."""
-    if value < 0:
-        raise ConfigError(f"{flag} {value}: must be >= 0 (0 = auto)")
-    if value == 0:
-        return auto_max_model_len(arch, blocks, block)
-    needed = -(-value // block)
-    if needed > blocks:
-        raise ConfigError(f"{flag} {value} needs {needed} KV blocks of {block} tokens but the instance has "
-                          f"{blocks}; lower {flag} or raise --total-kv-blocks")
-    return value
+def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+    _check_output_paths(args)
+    write_outputs(args, simulate_command(resolve_command(args, diag), args, stderr), stdout)
+    return 0
 
 
-def _pool_deployment(args, pool: str, cluster: ClusterConfig, arch, kind, alpha, beta, base_gpu, base_tp: int,
-                     diag: Diagnostics) -> PoolDeployment | None:
-    """A PD pool's own deployment when any of its --<pool>-hardware/-tp/-max-model-len is set
-    (blis-features §3.10: per-pool overrides, pool KV capacity recomputed)."""
-    hardware, tp, mml = (getattr(args, f"{pool}_{name}") for name in ("hardware", "tp", "max_model_len"))
-    if hardware is None and tp is None and not mml:
-        return None
-    if not cluster.pd:
-        raise ConfigError(f"--{pool}-hardware/--{pool}-tp/--{pool}-max-model-len configure a PD pool: set "
-                          "--prefill-instances and --decode-instances")
-    if tp is not None and tp < 1:
-        raise ConfigError(f"--{pool}-tp {tp}: the tensor-parallel degree must be >= 1 (omit it to use --tp)")
-    gpu = load_gpu(hardware) if hardware is not None else base_gpu
-    tp = base_tp if tp is None else tp
-    try:
-        model = build_latency_model(kind, arch, gpu, tp, alpha=alpha, beta=beta)
-    except ConfigError as e:
-        raise ConfigError(f"--{pool}-tp / --{pool}-hardware: {e}") from None
-    blocks = _kv_blocks(args, arch, gpu, tp, diag)
-    block = args.block_size_in_tokens
-    flag = f"--{pool}-max-model-len" if mml else "--max-model-len"
-    max_model_len = _max_model_len(flag, mml or args.max_model_len, arch, blocks, block)
-    return PoolDeployment(latency_model=model, total_kv_blocks=blocks, max_model_len=max_model_len,
-                          hardware=gpu.name, tp=tp, kv_bytes_per_token=kv_bytes_per_token(arch, tp))
+cmd_replay = cmd_run   # the flags say which workload: --trace-header/--trace-data or run's own
 
 
 def _check_output_paths(args) -> None:
@@ -814,142 +565,21 @@ def _check_output_paths(args) -> None:
         _check_output_file(flag, value)
 
 
-# ------------------------------------------------------------------------------ workloads
+# ------------------------------------------- library callers still being moved onto blis_jax.scenario
 
 
-def run_workload(args, diag: Diagnostics) -> DistributionWorkload:
-    """The DistributionWorkload of `run`'s flags (distribution mode or a preset)."""
-    args = argparse.Namespace(**{**vars(args), "num_requests": 100 if args.num_requests is None else args.num_requests,
-                                 "timeout": DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout})
-    length_flags = {
-        "prompt": (args.prompt_tokens, args.prompt_tokens_stdev, args.prompt_tokens_min, args.prompt_tokens_max),
-        "output": (args.output_tokens, args.output_tokens_stdev, args.output_tokens_min, args.output_tokens_max),
-    }
-    if args.workload != "distribution":
-        explicit = [f"--{kind}-tokens*" for kind, values in length_flags.items() if any(v is not None for v in values)]
-        if args.prefix_tokens is not None:
-            explicit.append("--prefix-tokens")
-        if explicit:
-            diag.warn(f"--workload {args.workload}: the preset sets the lengths; "
-                      f"{', '.join(explicit)} ignored")
-        return preset_workload(args.workload, rate=args.rate, num_requests=args.num_requests,
-                               timeout_s=args.timeout, horizon_us=args.horizon)
-    dists = {}
-    for kind, default in (("prompt", PROMPT_DEFAULT), ("output", OUTPUT_DEFAULT)):
-        mean, std, lo, hi = length_flags[kind]
-        dist = GaussianLength(mean=default.mean if mean is None else mean,
-                              std=default.std if std is None else std,
-                              min=default.min if lo is None else lo,
-                              max=default.max if hi is None else hi)
-        if not math.isfinite(dist.mean) or dist.mean < 0:
-            raise ConfigError(f"--{kind}-tokens {dist.mean:g}: the mean length must be a number >= 0")
-        dists[kind] = dist
-    return DistributionWorkload(rate=args.rate, num_requests=args.num_requests, prompt=dists["prompt"],
-                                output=dists["output"],
-                                prefix_tokens=0 if args.prefix_tokens is None else args.prefix_tokens,
-                                timeout_s=args.timeout, horizon_us=args.horizon)
+def engine_params(scenario: ResolvedScenario):
+    return scenario.params
 
 
-def replay_horizon(args, requests: RequestSet) -> int | None:
-    """Explicit --horizon, else BLIS's replay default: 2 × the latest injection time
-    (no horizon when every request is injected at time 0). Trace times are at most
-    limits.MAX_TIME_US, so the doubled time fits int64."""
-    if args.horizon is not None:
-        return args.horizon
-    latest = int(requests.arrival_us.max()) if len(requests) else 0
-    return 2 * latest if latest > 0 else None
+def resolve_run_sessions(args, diag: Diagnostics):
+    """(resolved scenario, requests, SessionLinks or None) of `run`'s flags."""
+    resolved = resolve_command(args, diag)
+    return resolved, resolved.requests, resolved.sessions
 
 
-# ------------------------------------------------------------------------------- commands
-
-
-def engine_params(scenario: Scenario):
-    """The engine's dynamic settings of a resolved scenario (shared with `blis-jax sweep`)."""
-    return make_engine_params(
-        max_num_seqs=scenario.max_num_seqs,
-        max_num_batched_tokens=scenario.max_num_batched_tokens,
-        long_prefill_token_threshold=scenario.long_prefill_token_threshold,
-        max_model_len=scenario.max_model_len,
-        total_kv_blocks=scenario.total_kv_blocks,
-        horizon_us=scenario.horizon_us,
-    )
-
-
-def simulate(scenario: Scenario, requests: RequestSet, args, stderr: TextIO, sessions=None, *, with_views=False):
-    """Run the engine, with a progress reporter when stderr is a terminal or --progress.
-    With closed-loop `sessions` (SessionLinks) returns (the requests that existed, outputs).
-    `with_views`: returns (outputs, per-instance views or None) (PD pools: each instance's own
-    sub-requests, for its metrics block)."""
-    views = None
-    params = engine_params(scenario)
-    tty = bool(getattr(stderr, "isatty", lambda: False)())
-    reporter = ProgressReporter(stderr, tty) if (tty or args.progress) else None
-    extra = {"progress": reporter, "events_per_chunk": PROGRESS_EVENTS_PER_CHUNK} if reporter else {}
-    settings = dict(block_size=scenario.block_size, scheduler=scenario.scheduler,
-                    preemption_policy=scenario.preemption_policy, **extra)
-    try:
-        if sessions is not None:
-            if not scenario.single_instance:
-                raise ConfigError("--workload-spec: closed-loop sessions run on one instance with always-admit "
-                                  "for now; use --num-instances 1 and --admission-policy always-admit, without "
-                                  "--admission-latency, --routing-latency or --flow-control")
-            requests, out = simulate_sessions(requests, sessions, params, scenario.latency_model, **settings)
-        elif scenario.single_instance:
-            out = simulate_instance(requests, params, scenario.latency_model, **settings)
-        else:
-            out, views = simulate_cluster_views(requests, params, scenario.latency_model, scenario.cluster,
-                                                kv_bytes_per_token=scenario.kv_bytes_per_token,
-                                                prefill_pool=scenario.prefill_pool, decode_pool=scenario.decode_pool,
-                                                **settings)
-    finally:
-        if reporter is not None:
-            reporter.close()
-    if out.result != result_codes.OK:
-        raise SimulationFailed(f"the engine stopped early ({result_codes.describe(out.result)}: an "
-                               "internal buffer overflowed); the outputs would be incomplete, so none "
-                               "were written. Please report this with the command line")
-    if with_views:
-        return out, views
-    return out if sessions is None else (requests, out)
-
-
-class SimulationFailed(RuntimeError):
-    """The engine could not complete the run (not a user-input problem)."""
-
-
-def write_outputs(args, requests: RequestSet, out, header: TraceHeader, stdout: TextIO,
-                  goodput_targets=None, views=None) -> None:
-    extra = {}
-    if views is not None:
-        extra = dict(instance_outputs=views.outputs, extra_sections=(format_pd_section(pd_summary(out, views)),))
-    stdout.write(render_stdout(out, requests, scheduler=args.scheduler, goodput_targets=goodput_targets, **extra))
-    stdout.flush()
-    if args.metrics_path:
-        write_metrics_file(args.metrics_path, out, requests, goodput_targets)
-    if args.results_path:
-        write_results_file(args.results_path, out, requests)
-    if args.trace_output:
-        write_trace(args.trace_output, header, requests, out if views is None else pd_trace_outcomes(out, views))
-
-
-def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    _check_output_paths(args)
-    scenario, requests, sessions = resolve_run_sessions(args, diag)
-    views = None
-    if sessions is None:
-        out, views = simulate(scenario, requests, args, stderr, with_views=True)
-    else:
-        requests, out = simulate(scenario, requests, args, stderr, sessions)
-    # a workload spec's goodput targets go into the header and the metrics, as in BLIS
-    goodput = _load_spec_file("--workload-spec", args.workload_spec).goodput_slo_targets if args.workload_spec else None
-    header = TraceHeader(mode="generated", workload_seed=int(args.seed), goodput_slo_targets=goodput)
-    write_outputs(args, requests, out, header, stdout, goodput_targets=goodput, views=views)
-    return 0
-
-
-def resolve_run(args, diag: Diagnostics) -> tuple[Scenario, RequestSet]:
-    """`run`'s flags → (scenario, generated requests); `blis-jax sweep` resolves each of its
-    scenarios through this same function, so a sweep row and a `run` cannot differ."""
+def resolve_run(args, diag: Diagnostics):
+    """`run`'s flags → (resolved scenario, requests); closed-loop sessions are refused (sweeps)."""
     scenario, requests, sessions = resolve_run_sessions(args, diag)
     if sessions is not None:
         raise ConfigError("--workload-spec: closed-loop sessions (their rounds arrive during the run) are not "
@@ -957,88 +587,35 @@ def resolve_run(args, diag: Diagnostics) -> tuple[Scenario, RequestSet]:
     return scenario, requests
 
 
-def resolve_run_sessions(args, diag: Diagnostics):
-    """(scenario, requests, SessionLinks or None): with closed-loop sessions in the workload
-    spec, the requests hold every round and the links tell the engine how rounds follow."""
-    sessions = None
-    if args.workload_spec:
-        from blis_jax.workload.generate import generate_workload
-        from blis_jax.workload.sessions import closed_loop_requests
-
-        from blis_jax.workload.spec import load_spec
-
-        if args.timeout is not None and args.timeout == 0:
-            raise ConfigError("--timeout 0 is not allowed: give seconds > 0, or a negative value to disable")
-        _check_run_numbers(args)
-        spec = load_spec(args.workload_spec)
-        limits.check_requests(_spec_request_estimate(spec, args), "lower num_requests (or --num-requests) "
-                              "or the horizon")
-        scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
-        seed = None if isinstance(args.seed, DefaultSeed) else args.seed
-        generated = generate_workload(spec, seed, num_requests=args.num_requests,
-                                      horizon_us=args.horizon, timeout_s=args.timeout, sessions="first_round")
-        requests = generated.requests
-        if generated.sessions:
-            requests, sessions = closed_loop_requests(generated)
-    else:
-        _check_run_numbers(args)
-        workload = run_workload(args, diag)
-        n = workload.num_requests
-        if workload.horizon_us is not None:
-            by_horizon = workload.horizon_us // constant_iat_us(workload.rate)
-            n = by_horizon if n == 0 else min(n, by_horizon)
-        limits.check_requests(n, "lower --num-requests" if n == workload.num_requests else "shorten --horizon")
-        scenario = resolve_scenario(args, diag, horizon_us=args.horizon)
-        requests = generate_distribution(workload, args.seed)
-    if len(requests) == 0:
-        raise ConfigError("no requests to simulate: --horizon is shorter than one inter-arrival time "
-                          "(1/--rate); raise --horizon or --rate")
-    return scenario, requests, sessions
+def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> ResolvedScenario:
+    """The deployment of `run`'s or `replay`'s flags, without requests, at `horizon_us`."""
+    with naming(FLAG_OF_FIELD):
+        config = ScenarioConfig(deployment=scenario_flags.deployment(args), engine=scenario_flags.engine_settings(args),
+                                cluster=scenario_flags.cluster(args), seed=int(args.seed) if _seed_given(args) else None)
+        return resolve_deployment(config, horizon_us=horizon_us, warn=diag.warn)
 
 
-def _check_run_numbers(args) -> None:
-    """Ranges of `run`'s workload flags (times and lengths inside the engine's int64 sums)."""
-    if args.timeout is not None and abs(args.timeout) * 1e6 > limits.MAX_TIME_US:
-        raise ConfigError(f"--timeout {args.timeout:g}: at most {limits.MAX_TIME_US / 1e6:.3g} s "
-                          "(a negative value disables timeouts)")
-    if args.num_requests is not None:
-        limits.check_int("--num-requests", args.num_requests, 0, limits.INT64_MAX)
-    for flag in ("prefix_tokens", "prompt_tokens_min", "prompt_tokens_max", "output_tokens_min",
-                 "output_tokens_max"):
-        value = getattr(args, flag)
-        if value is not None and value > limits.MAX_TOKENS:
-            limits.check_int("--" + flag.replace("_", "-"), value, 0, limits.MAX_TOKENS, " tokens")
-    for flag in ("prompt_tokens", "prompt_tokens_stdev", "output_tokens", "output_tokens_stdev"):
-        value = getattr(args, flag)
-        if value is not None and abs(value) > limits.MAX_TOKENS:
-            raise ConfigError(f"--{flag.replace('_', '-')} {value:g}: at most {limits.MAX_TOKENS:,} tokens")
+def replay_horizon(args, requests) -> int | None:
+    from blis_jax.scenario.resolve import replay_horizon as horizon
+
+    return horizon(args.horizon, requests)
 
 
-def _spec_request_estimate(spec, args) -> int:
-    """Requests a spec will generate (before generating them): the count, else rate x horizon."""
-    n = args.num_requests if args.num_requests is not None else spec.num_requests
-    if n:
-        return n
-    horizon = args.horizon or spec.horizon
-    estimate = 0
-    if horizon and spec.aggregate_rate:
-        estimate = int(spec.aggregate_rate * horizon / 1e6)
-    if spec.inference_perf is not None:
-        estimate = max(estimate, int(sum(s.rate * s.duration for s in spec.inference_perf.stages)))
-    return estimate
+def run_workload(args, diag: Diagnostics):
+    """The DistributionWorkload of `run`'s workload flags (distribution mode or a preset)."""
+    from blis_jax.workload.distribution import DistributionWorkload
+    from blis_jax.workload.presets import preset_workload
 
-
-def cmd_replay(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    _check_output_paths(args)
-    header, requests = read_trace(args.trace_header, args.trace_data)
-    if len(requests) == 0:
-        raise ConfigError(f"--trace-data {args.trace_data}: no request records; the CSV has only a header row")
-    limits.check_requests(len(requests), "replay a part of the trace")
-    scenario = resolve_scenario(args, diag, horizon_us=replay_horizon(args, requests))
-    out, views = simulate(scenario, requests, args, stderr, with_views=True)
-    replayed = dataclasses.replace(header, mode="replayed")
-    write_outputs(args, requests, out, replayed, stdout, goodput_targets=header.goodput_slo_targets, views=views)
-    return 0
+    with naming(FLAG_OF_FIELD):
+        w = scenario_flags.workload(argparse.Namespace(**{**vars(args), "workload_spec": None}))
+        if w.kind != "distribution":
+            if w.prompt is not None or w.output is not None or w.prefix_tokens is not None:
+                diag.warn(f"--workload {w.kind}: the preset sets the lengths; the length flags are ignored")
+            return preset_workload(w.kind, rate=w.rate, num_requests=w.num_requests, timeout_s=w.timeout_s,
+                                   horizon_us=args.horizon)
+        prompt, output, prefix = w.lengths()
+        return DistributionWorkload(rate=w.rate, num_requests=w.num_requests, prompt=prompt, output=output,
+                                    prefix_tokens=prefix, timeout_s=w.timeout_s, horizon_us=args.horizon)
 
 
 def _check_output_file(flag: str, value: str | None) -> None:

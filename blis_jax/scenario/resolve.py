@@ -1,0 +1,322 @@
+"""ScenarioConfig → ResolvedScenario: the model, GPU and latency model loaded, KV capacity and
+max-model-len derived, the requests generated (or read), everything the engine needs.
+
+BLIS's precedence: an explicit field wins, otherwise the model's BLIS default (hardware, TP;
+`configs/presets/model_defaults.yaml`), otherwise the hard-coded default; KV blocks and
+max-model-len are derived unless given (blis-features §2.14).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable, Mapping
+
+from blis_jax import limits
+from blis_jax.cluster.deployments import PoolDeployment
+from blis_jax.cluster.simulate import ClusterConfig
+from blis_jax.config import auto_kv_blocks, auto_max_model_len, load_coefficients, load_gpu, load_model
+from blis_jax.config.kv_capacity import kv_bytes_per_token
+from blis_jax.errors import ConfigError
+from blis_jax.scenario.config import (
+    DEFAULT_HARDWARE,
+    DEFAULT_TP,
+    Deployment,
+    ScenarioConfig,
+    SpecWorkload,
+    SyntheticWorkload,
+    TraceWorkload,
+)
+from blis_jax.naming import name
+from blis_jax.workload.requests import RequestSet
+from blis_jax.workload.tracev2 import TraceHeader
+
+# BLIS: a KV capacity that cannot be derived (an unknown quantity, say) falls back to this,
+# with a warning; an over-committed GPU is an error.
+PHANTOM_KV_BLOCKS = 1_000_000
+
+Warn = Callable[[str], None]
+
+
+class ScenarioWarning(UserWarning):
+    """Something in a scenario was ignored or replaced (e.g. a preset's fixed lengths)."""
+
+
+def _python_warning(message: str) -> None:
+    warnings.warn(message, ScenarioWarning, stacklevel=3)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResolvedScenario:
+    """Everything one simulation needs, resolved: the deployment (latency model, KV capacity,
+    limits), the engine settings, the cluster, the requests (with closed-loop session links
+    when the workload has sessions) and the trace header the outputs carry."""
+
+    config: ScenarioConfig
+    latency_model: object
+    model_id: str
+    hardware: str
+    tp: int
+    latency_kind: str
+    total_kv_blocks: int
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int
+    scheduler: str
+    preemption_policy: str
+    horizon_us: int | None
+    cluster: ClusterConfig
+    kv_bytes_per_token: float               # per GPU (sizes PD KV transfers)
+    prefill_pool: PoolDeployment | None
+    decode_pool: PoolDeployment | None
+    requests: RequestSet | None = None
+    sessions: object | None = None          # SessionLinks of closed-loop sessions, else None
+    header: TraceHeader = TraceHeader()
+    goodput_targets: Mapping | None = None
+
+    @property
+    def single_instance(self) -> bool:
+        """Served by the single-instance engine: one instance that admits every request at its
+        arrival (no admission or routing latency, no gateway queue)."""
+        c = self.cluster
+        return (c.num_instances == 1 and c.admission_policy == "always-admit" and c.flow_control is None
+                and c.admission_latency_us == 0 and c.routing_latency_us == 0)
+
+    @property
+    def params(self):
+        """The engine's dynamic settings (`EngineParams`)."""
+        from blis_jax.engine.params import make_engine_params
+
+        return make_engine_params(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold, max_model_len=self.max_model_len,
+            total_kv_blocks=self.total_kv_blocks, horizon_us=self.horizon_us)
+
+    def with_coefficients(self, alpha, beta) -> ResolvedScenario:
+        """The same scenario with other trained-physics coefficients (arrays allowed: the
+        latency model stays differentiable in them)."""
+        from blis_jax.latency import with_coefficients
+
+        return dataclasses.replace(self, latency_model=with_coefficients(self.latency_model, alpha=alpha, beta=beta))
+
+
+@functools.cache
+def model_defaults() -> Mapping[str, tuple[str, int]]:
+    """BLIS's per-model default (GPU, TP), by lower-cased HuggingFace id."""
+    import yaml
+
+    from blis_jax.config.bundled import bundled_dir
+
+    raw = yaml.safe_load((bundled_dir("presets") / "model_defaults.yaml").read_text())["model_defaults"]
+    return {key.lower(): (entry["hardware"], int(entry["tp"])) for key, entry in raw.items()}
+
+
+def resolve(config: ScenarioConfig, *, warn: Warn | None = None) -> ResolvedScenario:
+    """Resolve `config`: load what it names, generate or read its requests. Raises
+    `ConfigError` naming the field; `warn` (default: `warnings.warn` with `ScenarioWarning`)
+    receives what was ignored or replaced."""
+    warn = warn or _python_warning
+    workload = config.workload
+    if isinstance(workload, TraceWorkload):
+        return _resolve_trace(config, workload, warn)
+    if isinstance(workload, SpecWorkload):
+        return _resolve_spec(config, workload, warn)
+    return _resolve_synthetic(config, workload, warn)
+
+
+def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: Warn | None = None) -> ResolvedScenario:
+    """The scenario without its requests (`requests` None): the deployment, engine and cluster."""
+    warn = warn or _python_warning
+    d, e = config.deployment, config.engine
+    cluster = dataclasses.replace(config.cluster, seed=config.effective_seed).validate()
+    kind, alpha, beta = _coefficients(d)
+    arch = load_model(d.model)  # ids are matched case-insensitively, as BLIS lower-cases them
+    hardware, tp = _hardware_and_tp(d, arch.hf_id)
+    gpu = load_gpu(hardware)
+    latency_model = _latency_model(kind, arch, gpu, tp, alpha, beta, f"{name('deployment.latency_model')} {kind}")
+    blocks = _kv_blocks(d, arch, gpu, tp, warn)
+    max_model_len = _max_model_len("deployment.max_model_len", d.max_model_len, arch, blocks, d.block_size)
+    pools = {pool: _pool_deployment(d, pool, cluster, arch, kind, alpha, beta, gpu, tp, warn)
+             for pool in ("prefill", "decode")}
+    return ResolvedScenario(
+        config=config, latency_model=latency_model, model_id=arch.hf_id, hardware=gpu.name, tp=tp,
+        latency_kind=kind, total_kv_blocks=blocks, max_model_len=max_model_len, block_size=d.block_size,
+        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+        long_prefill_token_threshold=e.long_prefill_token_threshold, scheduler=e.scheduler,
+        preemption_policy=e.preemption_policy, horizon_us=horizon_us, cluster=cluster,
+        kv_bytes_per_token=kv_bytes_per_token(arch, tp), prefill_pool=pools["prefill"], decode_pool=pools["decode"])
+
+
+# ------------------------------------------------------------------------------ workloads
+
+
+def _resolve_synthetic(config: ScenarioConfig, w: SyntheticWorkload, warn: Warn) -> ResolvedScenario:
+    from blis_jax.workload.distribution import DistributionWorkload, constant_iat_us, generate_distribution
+    from blis_jax.workload.presets import preset_workload
+
+    if w.kind != "distribution":
+        explicit = [name(f"workload.{kind}") + "*" for kind in ("prompt", "output") if getattr(w, kind) is not None]
+        if w.prefix_tokens is not None:
+            explicit.append(name("workload.prefix_tokens"))
+        if explicit:
+            warn(f"{name('workload.kind')} {w.kind}: the preset sets the lengths; {', '.join(explicit)} ignored")
+        workload = preset_workload(w.kind, rate=w.rate, num_requests=w.num_requests, timeout_s=w.timeout_s,
+                                   horizon_us=config.horizon_us)
+    else:
+        prompt, output, prefix = w.lengths()
+        workload = DistributionWorkload(rate=w.rate, num_requests=w.num_requests, prompt=prompt, output=output,
+                                        prefix_tokens=prefix, timeout_s=w.timeout_s, horizon_us=config.horizon_us)
+    n = workload.num_requests
+    if workload.horizon_us is not None:
+        by_horizon = workload.horizon_us // constant_iat_us(workload.rate)
+        n = by_horizon if n == 0 else min(n, by_horizon)
+    limits.check_requests(n, f"lower {name('workload.num_requests')}" if n == workload.num_requests
+                          else f"shorten {name('horizon_us')}")
+    resolved = resolve_deployment(config, horizon_us=config.horizon_us, warn=warn)
+    requests = generate_distribution(workload, config.effective_seed)
+    _check_some_requests(requests)
+    header = TraceHeader(mode="generated", workload_seed=config.effective_seed)
+    return dataclasses.replace(resolved, requests=requests, header=header)
+
+
+def _resolve_spec(config: ScenarioConfig, w: SpecWorkload, warn: Warn) -> ResolvedScenario:
+    from blis_jax.workload.generate import generate_workload
+    from blis_jax.workload.sessions import closed_loop_requests
+
+    spec = w.load()
+    limits.check_requests(_spec_request_estimate(spec, w, config.horizon_us),
+                          f"lower num_requests (or {name('workload.num_requests')}) or the horizon")
+    resolved = resolve_deployment(config, horizon_us=config.horizon_us, warn=warn)
+    generated = generate_workload(spec, config.seed, num_requests=w.num_requests, horizon_us=config.horizon_us,
+                                  timeout_s=w.timeout_s, sessions="first_round")
+    requests, sessions = generated.requests, None
+    if generated.sessions:
+        requests, sessions = closed_loop_requests(generated)
+    _check_some_requests(requests)
+    # a spec's goodput targets go into the header and the metrics, as in BLIS
+    header = TraceHeader(mode="generated", workload_seed=config.effective_seed,
+                         goodput_slo_targets=spec.goodput_slo_targets)
+    return dataclasses.replace(resolved, requests=requests, sessions=sessions, header=header,
+                               goodput_targets=spec.goodput_slo_targets)
+
+
+def _resolve_trace(config: ScenarioConfig, w: TraceWorkload, warn: Warn) -> ResolvedScenario:
+    from blis_jax.workload.tracev2 import read_trace
+
+    header, requests = read_trace(w.header, w.data)
+    if len(requests) == 0:
+        raise ConfigError(f"{name('workload.data')} {w.data}: no request records; the CSV has only a header row")
+    limits.check_requests(len(requests), "replay a part of the trace")
+    resolved = resolve_deployment(config, horizon_us=replay_horizon(config.horizon_us, requests), warn=warn)
+    return dataclasses.replace(resolved, requests=requests, header=dataclasses.replace(header, mode="replayed"),
+                               goodput_targets=header.goodput_slo_targets)
+
+
+def replay_horizon(horizon_us: int | None, requests: RequestSet) -> int | None:
+    """An explicit horizon, else BLIS's replay default: 2 × the latest injection time (no
+    horizon when every request is injected at time 0). Trace times are at most
+    limits.MAX_TIME_US, so the doubled time fits int64."""
+    if horizon_us is not None:
+        return horizon_us
+    latest = int(requests.arrival_us.max()) if len(requests) else 0
+    return 2 * latest if latest > 0 else None
+
+
+def _check_some_requests(requests: RequestSet) -> None:
+    if len(requests) == 0:
+        raise ConfigError(f"no requests to simulate: {name('horizon_us')} is shorter than one inter-arrival time "
+                          f"(1/{name('workload.rate')}); raise {name('horizon_us')} or {name('workload.rate')}")
+
+
+def _spec_request_estimate(spec, w: SpecWorkload, horizon_us: int | None) -> int:
+    """Requests a spec will generate (before generating them): the count, else rate x horizon."""
+    n = w.num_requests if w.num_requests is not None else spec.num_requests
+    if n:
+        return n
+    horizon = horizon_us or spec.horizon
+    estimate = 0
+    if horizon and spec.aggregate_rate:
+        estimate = int(spec.aggregate_rate * horizon / 1e6)
+    if spec.inference_perf is not None:
+        estimate = max(estimate, int(sum(s.rate * s.duration for s in spec.inference_perf.stages)))
+    return estimate
+
+
+# ----------------------------------------------------------------------------- deployment
+
+
+def _coefficients(d: Deployment) -> tuple[str, tuple | None, tuple | None]:
+    if d.alpha is not None:
+        return d.latency_model, d.alpha, d.beta
+    if d.coefficients is not None:
+        coeffs = load_coefficients(d.coefficients)
+        return d.latency_model, coeffs.alpha, coeffs.beta
+    return d.latency_model, None, None
+
+
+def _latency_model(kind, arch, gpu, tp, alpha, beta, where: str):
+    from blis_jax.latency import build_latency_model
+
+    try:
+        return build_latency_model(kind, arch, gpu, tp, alpha=alpha, beta=beta)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _hardware_and_tp(d: Deployment, hf_id: str) -> tuple[str, int]:
+    table = model_defaults()
+    defaults = table.get(hf_id.lower()) or table.get(str(d.model).lower())
+    hardware = d.hardware or (defaults[0] if defaults else DEFAULT_HARDWARE)
+    tp = d.tp if d.tp else (defaults[1] if defaults else DEFAULT_TP)
+    return hardware, tp
+
+
+def _kv_blocks(d: Deployment, arch, gpu, tp: int, warn: Warn) -> int:
+    if d.total_kv_blocks is not None:
+        return d.total_kv_blocks
+    try:
+        return auto_kv_blocks(arch, gpu, tp, gpu_memory_utilization=d.gpu_memory_utilization, block_size=d.block_size)
+    except ConfigError as e:
+        # BLIS: an over-committed GPU is fatal; any other auto-sizing failure falls back to
+        # the phantom total-kv-blocks default with a warning.
+        if "do not fit" in str(e) or "divisible" in str(e):
+            raise
+        warn(f"KV blocks could not be auto-computed ({e}); using {name('deployment.total_kv_blocks')} "
+             f"{PHANTOM_KV_BLOCKS}. Set {name('deployment.total_kv_blocks')} to choose it")
+        return PHANTOM_KV_BLOCKS
+
+
+def _max_model_len(path: str, value: int, arch, blocks: int, block: int) -> int:
+    """An explicit max-model-len (checked against the KV capacity), else BLIS's auto value."""
+    if value == 0:
+        return auto_max_model_len(arch, blocks, block)
+    needed = -(-value // block)
+    if needed > blocks:
+        raise ConfigError(f"{name(path)} {value} needs {needed} KV blocks of {block} tokens but the instance has "
+                          f"{blocks}; lower {name(path)} or raise {name('deployment.total_kv_blocks')}")
+    return value
+
+
+def _pool_deployment(d: Deployment, pool: str, cluster: ClusterConfig, arch, kind, alpha, beta, base_gpu,
+                     base_tp: int, warn: Warn) -> PoolDeployment | None:
+    """A PD pool's own deployment when any of its hardware/tp/max-model-len is set
+    (blis-features §3.10: per-pool overrides, pool KV capacity recomputed)."""
+    hardware, tp, mml = (getattr(d, f"{pool}_{field}") for field in ("hardware", "tp", "max_model_len"))
+    if hardware is None and tp is None and not mml:
+        return None
+    fields = "/".join(name(f"deployment.{pool}_{field}") for field in ("hardware", "tp", "max_model_len"))
+    if not cluster.pd:
+        raise ConfigError(f"{fields} configure a PD pool: set {name('cluster.prefill_instances')} and "
+                          f"{name('cluster.decode_instances')}")
+    gpu = load_gpu(hardware) if hardware is not None else base_gpu
+    tp = base_tp if tp is None else tp
+    model = _latency_model(kind, arch, gpu, tp, alpha, beta,
+                           f"{name(f'deployment.{pool}_tp')} / {name(f'deployment.{pool}_hardware')}")
+    blocks = _kv_blocks(d, arch, gpu, tp, warn)
+    path = f"deployment.{pool}_max_model_len" if mml else "deployment.max_model_len"
+    max_model_len = _max_model_len(path, mml or d.max_model_len, arch, blocks, d.block_size)
+    return PoolDeployment(latency_model=model, total_kv_blocks=blocks, max_model_len=max_model_len,
+                          hardware=gpu.name, tp=tp, kv_bytes_per_token=kv_bytes_per_token(arch, tp))
