@@ -603,19 +603,11 @@ def replay_horizon(args, requests) -> int | None:
 
 def run_workload(args, diag: Diagnostics):
     """The DistributionWorkload of `run`'s workload flags (distribution mode or a preset)."""
-    from blis_jax.workload.distribution import DistributionWorkload
-    from blis_jax.workload.presets import preset_workload
+    from blis_jax.scenario.resolve import distribution_workload
 
     with naming(FLAG_OF_FIELD):
         w = scenario_flags.workload(argparse.Namespace(**{**vars(args), "workload_spec": None}))
-        if w.kind != "distribution":
-            if w.prompt is not None or w.output is not None or w.prefix_tokens is not None:
-                diag.warn(f"--workload {w.kind}: the preset sets the lengths; the length flags are ignored")
-            return preset_workload(w.kind, rate=w.rate, num_requests=w.num_requests, timeout_s=w.timeout_s,
-                                   horizon_us=args.horizon)
-        prompt, output, prefix = w.lengths()
-        return DistributionWorkload(rate=w.rate, num_requests=w.num_requests, prompt=prompt, output=output,
-                                    prefix_tokens=prefix, timeout_s=w.timeout_s, horizon_us=args.horizon)
+        return distribution_workload(w, args.horizon, warn=diag.warn)
 
 
 def _check_output_file(flag: str, value: str | None) -> None:

@@ -153,22 +153,29 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
 # ------------------------------------------------------------------------------ workloads
 
 
-def _resolve_synthetic(config: ScenarioConfig, w: SyntheticWorkload, warn: Warn) -> ResolvedScenario:
-    from blis_jax.workload.distribution import DistributionWorkload, constant_iat_us, generate_distribution
+def distribution_workload(w: SyntheticWorkload, horizon_us: int | None, *, warn: Warn | None = None):
+    """The `DistributionWorkload` (rate, lengths, timeout, horizon) a `SyntheticWorkload` generates."""
+    from blis_jax.workload.distribution import DistributionWorkload
     from blis_jax.workload.presets import preset_workload
 
+    warn = warn or _python_warning
     if w.kind != "distribution":
         explicit = [name(f"workload.{kind}") + "*" for kind in ("prompt", "output") if getattr(w, kind) is not None]
         if w.prefix_tokens is not None:
             explicit.append(name("workload.prefix_tokens"))
         if explicit:
             warn(f"{name('workload.kind')} {w.kind}: the preset sets the lengths; {', '.join(explicit)} ignored")
-        workload = preset_workload(w.kind, rate=w.rate, num_requests=w.num_requests, timeout_s=w.timeout_s,
-                                   horizon_us=config.horizon_us)
-    else:
-        prompt, output, prefix = w.lengths()
-        workload = DistributionWorkload(rate=w.rate, num_requests=w.num_requests, prompt=prompt, output=output,
-                                        prefix_tokens=prefix, timeout_s=w.timeout_s, horizon_us=config.horizon_us)
+        return preset_workload(w.kind, rate=w.rate, num_requests=w.num_requests, timeout_s=w.timeout_s,
+                               horizon_us=horizon_us)
+    prompt, output, prefix = w.lengths()
+    return DistributionWorkload(rate=w.rate, num_requests=w.num_requests, prompt=prompt, output=output,
+                                prefix_tokens=prefix, timeout_s=w.timeout_s, horizon_us=horizon_us)
+
+
+def _resolve_synthetic(config: ScenarioConfig, w: SyntheticWorkload, warn: Warn) -> ResolvedScenario:
+    from blis_jax.workload.distribution import constant_iat_us, generate_distribution
+
+    workload = distribution_workload(w, config.horizon_us, warn=warn)
     n = workload.num_requests
     if workload.horizon_us is not None:
         by_horizon = workload.horizon_us // constant_iat_us(workload.rate)
