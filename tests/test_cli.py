@@ -25,6 +25,8 @@ from blis_jax.cli import (
     resolve_scenario,
 )
 from blis_jax.workload.tracev2 import REQUIRED_COLUMNS
+from blis_jax.scenario import simulate
+from test_api_parity import case_config  # noqa: E402
 
 from blis_diff import case_param  # noqa: E402
 from shared_data import BLIS_DIFF  # noqa: E402
@@ -238,6 +240,7 @@ def test_replay_cluster_cases_byte_identical(case_id, tmp_path):
     cluster block, anomaly counters), --metrics-path and --results-path byte for byte."""
     case_dir, out = replay_case(case_id, tmp_path)
     assert out == (case_dir / "stdout.txt").read_text()
+    assert simulate(case_config(case_dir)).report() == out   # the library API, configured in Python
     for name in ("metrics.json", "results.json"):
         assert (tmp_path / name).read_text() == (case_dir / name).read_text(), name
 
@@ -262,6 +265,7 @@ def test_replay_all_single_instance_cases(case_id, tmp_path):
     assert_close(got_requests, ref_requests, "requests")
     assert_close(got, ref)
     assert_close(metrics_blocks(out), metrics_blocks((case_dir / "stdout.txt").read_text()), "stdout")
+    assert simulate(case_config(case_dir)).report() == out   # the library API, configured in Python
 
 
 # ---------------------------------------------------------------------------------- errors
