@@ -151,13 +151,13 @@ class StateChecker:
         status = request_status(s, n)
         enq = int(s.enq_pos)
         count = {code: int(np.sum(status == code)) for code in
-                 (st.PENDING, st.QUEUED, st.RUNNING, st.COMPLETED, st.TIMED_OUT, st.DROPPED, st.LENGTH_CAPPED)}
+                 (st.NOT_ARRIVED, st.QUEUED, st.RUNNING, st.COMPLETED, st.TIMED_OUT, st.DROPPED, st.LENGTH_CAPPED)}
         completed = count[st.COMPLETED] + count[st.LENGTH_CAPPED]
         injected = completed + count[st.QUEUED] + count[st.RUNNING] + count[st.DROPPED] + count[st.TIMED_OUT]
         assert injected == enq, f"injected {enq} != completed+queued+running+dropped+timed_out {injected} {count}"
-        assert count[st.PENDING] == n - enq
+        assert count[st.NOT_ARRIVED] == n - enq
         pending = set(np.asarray(s.enqueue_order)[enq:].tolist()) & set(range(n))
-        assert set(np.flatnonzero(status == st.PENDING).tolist()) == pending, "pending set != not-yet-enqueued"
+        assert set(np.flatnonzero(status == st.NOT_ARRIVED).tolist()) == pending, "pending set != not-yet-enqueued"
         assert int(s.dropped) == count[st.DROPPED]
         assert int(s.timed_out) == count[st.TIMED_OUT]
         assert int(s.length_capped) == count[st.LENGTH_CAPPED]

@@ -531,8 +531,6 @@ def simulate_command(resolved: ResolvedScenario, args, stderr: TextIO) -> Simula
     try:
         with naming(FLAG_OF_FIELD):
             return simulate(resolved, **extra)
-    except SimulationFailed as e:
-        raise SimulationFailed(f"{e}. Please report this with the command line") from None
     finally:
         if reporter is not None:
             reporter.close()

@@ -12,27 +12,21 @@ import numpy as np
 
 from blis_jax.errors import ConfigError
 
-# Request status codes (int8). NOT_ARRIVED is 0 so a zero-initialised engine array means
-# "not injected yet" (e.g. its arrival lies past the horizon).
-NOT_ARRIVED = 0
-QUEUED = 1          # in a wait queue when the run stopped (counts in still_queued)
-RUNNING = 2         # in a running batch when the run stopped (counts in still_running)
-COMPLETED = 3
-LENGTH_CAPPED = 4   # force-completed at max_model_len − 1: a completion in every BLIS count
-TIMED_OUT = 5       # cancelled at its deadline
-DROPPED = 6         # unservable at enqueue (max_model_len / KV capacity guards)
-REJECTED = 7        # refused by cluster admission (never reached an instance)
-# flow control (cluster/gateway.py): outcomes at the gateway queue, before any instance
-GATEWAY_QUEUED = 8  # still in the gateway queue when the run stopped
-GATEWAY_REJECTED = 9  # refused by the gateway queue (band or queue full)
-GATEWAY_SHED = 10  # queued, then shed for a more important request
-GATEWAY_EXPIRED = 11  # queued longer than --request-ttl
-
-STATUS_NAMES = {NOT_ARRIVED: "not_arrived", QUEUED: "queued", RUNNING: "running",
-                COMPLETED: "completed", LENGTH_CAPPED: "length_capped", TIMED_OUT: "timed_out",
-                DROPPED: "dropped", REJECTED: "rejected", GATEWAY_QUEUED: "gateway_queued",
-                GATEWAY_REJECTED: "gateway_rejected", GATEWAY_SHED: "gateway_shed",
-                GATEWAY_EXPIRED: "gateway_expired"}
+from blis_jax.engine.status import (  # noqa: E402,F401  (re-exported: outputs name them from here)
+    COMPLETED,
+    DROPPED,
+    GATEWAY_EXPIRED,
+    GATEWAY_QUEUED,
+    GATEWAY_REJECTED,
+    GATEWAY_SHED,
+    LENGTH_CAPPED,
+    NOT_ARRIVED,
+    QUEUED,
+    REJECTED,
+    RUNNING,
+    STATUS_NAMES,
+    TIMED_OUT,
+)
 
 RESULT_OK = 0  # `result` code of a run that finished without a capacity/overflow problem
 

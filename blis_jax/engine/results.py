@@ -39,3 +39,33 @@ def describe(code: int) -> str:
     if code == OK:
         return "ok"
     return "|".join(name for bit, name in _NAMES.items() if code & bit)
+
+
+# What to change when a code survives the driver's buffer growth (64-fold): the load is beyond
+# what the compiled capacities were planned for, so the advice is about the scenario.
+_FIXES = {
+    ROWS_FULL: "more requests were preempted at once than the engine can hold; the KV cache is far too small "
+               "for the load: raise the KV blocks or lower the arrival rate",
+    FREE_RING_FULL: "KV blocks were released faster than the engine can recycle them: raise the block size "
+                    "in tokens",
+    WAIT_WINDOW_FULL: "the wait queue outgrew its window: the load exceeds the instance's capacity by far; "
+                      "lower the rate, add instances or set a horizon",
+    ALLOC_OVERFLOW: "one request needed more KV blocks in a single step than planned: raise the block size in "
+                    "tokens or cap the prompt length (max-model-len)",
+    WINDOW_FULL: "more requests were in flight at once than planned: lower the rate, add instances or set "
+                 "a horizon",
+    STEP_LOG_FULL: "more engine steps between host reads than the step log holds: lower events_per_chunk",
+    RUN_LOG_FULL: "more decode runs between host reads than the run log holds: lower events_per_chunk",
+    INBOX_FULL: "more routed requests waited at one instance than planned: add instances or lower the "
+                "routing latency or the rate",
+    TRANSFERS_FULL: "more KV transfers were in flight than planned: raise the transfer bandwidth or lower "
+                    "the rate",
+    GATEWAY_FULL: "more requests waited at the gateway than planned: set a gateway queue depth limit or a "
+                  "request TTL, or lower the rate",
+    BATCH_FULL: "the running batch outgrew its planned slots: lower max-num-seqs",
+}
+
+
+def fix(code: int) -> str:
+    """What to change in the scenario for each overflow bit of `code` ("" for OK)."""
+    return "; ".join(f"{_NAMES[bit]}: {advice}" for bit, advice in _FIXES.items() if code & bit)

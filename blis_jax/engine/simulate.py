@@ -315,7 +315,6 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
     hold the whole run (as after `run_to_end` with a result code free of *_LOG_FULL bits).
     `clock_sees_arrivals`: the end time is at least the last arrival before the horizon (a
     lone instance's clock is the cluster's; a cluster instance's own is set by its caller)."""
-    from blis_jax.engine import output as out
     from blis_jax.engine import state as st
 
     n = len(requests)
@@ -331,12 +330,7 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
     rr, row = r[row >= 0], row[row >= 0]
     ttft[rr], sched_delay[rr] = np.asarray(s.row_ttft)[row], np.asarray(s.row_sched_delay)[row]
     itl_sum[rr], num_itl[rr] = np.asarray(s.row_itl_sum)[row], np.asarray(s.row_num_itl)[row]
-    output_status = np.select(
-        [status == st.COMPLETED, status == st.LENGTH_CAPPED, status == st.TIMED_OUT, status == st.DROPPED,
-         status == st.QUEUED, status == st.RUNNING],
-        [out.COMPLETED, out.LENGTH_CAPPED, out.TIMED_OUT, out.DROPPED, out.QUEUED, out.RUNNING],
-        out.NOT_ARRIVED,
-    )
+    output_status = status   # the engine's codes are the outputs' (engine/status.py)
     finished_ok = (status == st.COMPLETED) | (status == st.LENGTH_CAPPED)
     itl_step_us, itl_runs = (itl_reader or ItlLogReader()).finish(s, n, finished_ok)
     horizon = int(params.horizon_us)

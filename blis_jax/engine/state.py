@@ -25,14 +25,16 @@ from jaxtyping import Array, Bool, Float64, Int32, Int64
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.params import INF_TIME
 
-# Request status codes (int32).
-PENDING = 0  # not yet enqueued at the instance
-QUEUED = 1  # in the wait queue (never admitted, or preempted and waiting again)
-RUNNING = 2
-COMPLETED = 3
-TIMED_OUT = 4
-DROPPED = 5  # dropped as unservable at enqueue
-LENGTH_CAPPED = 6  # force-completed at max_model_len (also a completion)
+# Request status codes: the one enumeration (engine arrays and outputs).
+from blis_jax.engine.status import (  # noqa: E402,F401
+    COMPLETED,
+    DROPPED,
+    LENGTH_CAPPED,
+    NOT_ARRIVED,
+    QUEUED,
+    RUNNING,
+    TIMED_OUT,
+)
 
 # Block-table row states.
 ROW_FREE = 0

@@ -120,6 +120,6 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
                                             prefill_pool=resolved.prefill_pool, decode_pool=resolved.decode_pool,
                                             **settings)
     if out.result != result_codes.OK:
-        raise SimulationFailed(f"the engine stopped early ({result_codes.describe(out.result)}); the outputs would "
-                               "be incomplete, so none were written")
+        raise SimulationFailed(f"the engine stopped early ({result_codes.fix(out.result)}); its outputs would be "
+                               "incomplete, so none are given")
     return SimulationResult(scenario=resolved, requests=requests, output=out, views=views)
