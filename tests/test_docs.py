@@ -34,6 +34,8 @@ def _python_params():
 
 def test_docs_have_the_examples_they_promise():
     assert any(name == "README.md" for name, _, _ in blocks("python")), "the README has a Python API example"
+    for path in DOCS:   # an unclosed fence would swallow the text after it
+        assert len(re.findall(r"^[ \t]*```", path.read_text(), re.MULTILINE)) % 2 == 0, path.name
     readme = (ROOT / "README.md").read_text()
     for link in re.findall(r"\]\((docs/[\w.]+)\)", readme):
         assert (ROOT / link).is_file(), link
