@@ -121,3 +121,31 @@ def test_errors_name_the_setting(settings, message):
     with pytest.raises(ConfigError) as e:
         apply_settings(settings, "g: s1")
     assert message in str(e.value), str(e.value)
+
+
+def test_sweep_scenarios_refuse_closed_loop_sessions(tmp_path):
+    """A sweep resolves its scenarios as `run` does, but its lanes are open-loop: a workload
+    with closed-loop sessions is refused, naming the scenario and the setting."""
+    import yaml
+
+    from blis_jax.sweep import settings as sweep_settings
+
+    spec = tmp_path / "sessions.yaml"
+    spec.write_text(yaml.safe_dump({
+        "version": "2", "seed": 3, "num_requests": 2, "aggregate_rate": 10.0, "clients": [{
+            "id": "mt", "rate_fraction": 1.0, "arrival": {"process": "poisson"},
+            "input_distribution": {"type": "constant", "params": {"value": 20}},
+            "output_distribution": {"type": "constant", "params": {"value": 4}},
+            "reasoning": {"multi_turn": {"max_rounds": 2, "think_time_us": 10_000, "context_growth": "accumulate",
+                                         "single_session": True}}}]}))
+
+    class Quiet:
+        def warn(self, message):
+            pass
+
+    with pytest.raises(ConfigError, match=r"^g: s0\.workload-spec: closed-loop sessions"):
+        sweep_settings.resolve({"workload-spec": str(spec)}, Quiet(), "g: s0")
+    resolved = sweep_settings.resolve({"rate": 4, "num-requests": 5, "max-num-seqs": 8}, Quiet(), "g: s0")
+    assert len(resolved.requests) == 5 and resolved.max_num_seqs == 8 and resolved.sessions is None
+    with pytest.raises(ConfigError, match=r"^g: s0: .*total-kv-blocks"):  # a library error, named by its key
+        sweep_settings.resolve({"max-model-len": 10**6, "total-kv-blocks": 10}, Quiet(), "g: s0")

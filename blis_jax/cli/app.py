@@ -577,15 +577,6 @@ def resolve_run_sessions(args, diag: Diagnostics):
     return resolved, resolved.requests, resolved.sessions
 
 
-def resolve_run(args, diag: Diagnostics):
-    """`run`'s flags → (resolved scenario, requests); closed-loop sessions are refused (sweeps)."""
-    scenario, requests, sessions = resolve_run_sessions(args, diag)
-    if sessions is not None:
-        raise ConfigError("--workload-spec: closed-loop sessions (their rounds arrive during the run) are not "
-                          "supported in sweeps yet; use `blis-jax run` for this workload")
-    return scenario, requests
-
-
 def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> ResolvedScenario:
     """The deployment of `run`'s or `replay`'s flags, without requests, at `horizon_us`."""
     with naming(FLAG_OF_FIELD):
