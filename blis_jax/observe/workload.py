@@ -101,7 +101,7 @@ def follow_up_ids(seed: int, row: int, length: int, previous: list[int] | None, 
 
 
 def build_workload(args: argparse.Namespace, diag) -> ObservedWorkload:
-    """The workload of observe's flags (validated beforehand by `commands.validate`)."""
+    """The workload of observe's flags (validated beforehand by `cli.observe.validate`)."""
     if args.workload_spec:
         return _from_spec(args.workload_spec, args, label=args.workload_spec)
     if args.concurrency and args.concurrency > 0:
@@ -116,8 +116,8 @@ def _from_distribution(args, diag) -> ObservedWorkload:
     seed = 42 if args.seed is None else args.seed
     check_bounded(args, 0, 0)
     synthetic = SyntheticWorkload(kind=args.workload or "distribution", rate=args.rate,
-                                  num_requests=args.num_requests or 0, timeout_s=-1.0,
-                                  prefix_tokens=args.prefix_tokens, prompt=_given_lengths(args, "prompt", PROMPT_DEFAULT),
+                                  num_requests=args.num_requests or 0, timeout_s=-1.0, prefix_tokens=args.prefix_tokens,
+                                  prompt=_given_lengths(args, "prompt", PROMPT_DEFAULT),
                                   output=_given_lengths(args, "output", OUTPUT_DEFAULT))
     workload = distribution_workload(synthetic, args.horizon or None, warn=diag.warn if diag is not None else None)
     requests = generate_distribution(workload, seed)

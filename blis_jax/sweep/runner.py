@@ -79,7 +79,8 @@ def run_sweep(
             split[k] = (handled, members)
             for idx in members:
                 if len(idx):
-                    lanes.append((k, InstanceLane.of(scenario, decompose.instance_requests(requests, idx), share=1 / n)))
+                    part = decompose.instance_requests(requests, idx)
+                    lanes.append((k, InstanceLane.of(scenario, part, share=1 / n)))
         else:
             clusters.append((k, ClusterScenario(scenario)))
         request_sets.append(requests)
