@@ -220,14 +220,14 @@ def _flags(**kw):
 
 
 def test_preset_and_distribution_workloads_are_runs_workloads():
-    from blis_jax.cli import build_parser, resolve_run
+    from blis_jax.scenario import resolve
+    from blis_jax.scenario.settings import apply_settings
 
     w = build_workload(_flags(workload="chatbot", rate=5.0, num_requests=3), diag=None)
     assert w.workload_spec == "preset:chatbot"
     assert w.requests.deadline_us.tolist() == [0, 0, 0]  # observe pushes no client timeout
     # the same arrivals and lengths as `blis-jax run` generates for the same flags and seed
-    args = build_parser().parse_args(["run", "--rate", "5", "--num-requests", "3", "--workload", "chatbot"])
-    _, run_requests = resolve_run(args, diag=None)
+    run_requests = resolve(apply_settings({"rate": 5, "num-requests": 3, "workload": "chatbot"}, "run")).requests
     assert w.requests.arrival_us.tolist() == run_requests.arrival_us.tolist() == [199_999, 399_998, 599_997]
     assert w.requests.input_len.tolist() == run_requests.input_len.tolist()
     assert w.requests.output_len.tolist() == run_requests.output_len.tolist()

@@ -308,7 +308,7 @@ def test_bad_scenario_value_fails_before_simulating(monkeypatch):
     """Values that only the run resolution can judge (rate 0, a coefficient axis on roofline)
     fail before any batch is compiled or run, naming the scenario."""
     monkeypatch.setattr(batch, "run_lanes", lambda *a, **k: pytest.fail("simulated a bad grid"))
-    with pytest.raises(ConfigError, match=r"scenario 1 \(rate=0\).*--rate"):
+    with pytest.raises(ConfigError, match=r"scenario 1 \(rate=0\)\.rate 0\.0: must be"):
         run_sweep(parse_grid({"base": BASE, "axes": {"rate": [1, 0]}}))
     grid = parse_grid({"base": {**BASE, "latency-model": "roofline"}, "axes": {"beta-scale": [1.0, 2.0]}})
     with pytest.raises(ConfigError, match=r"scenario 0 \(beta-scale=1.0\): coefficient axes \(beta-scale\) need latency-model trained-physics"):
@@ -335,18 +335,18 @@ def test_grid_file_settings_and_explicit_list(tmp_path):
     specs = grid.scenarios()
     assert grid.axes == ("rate", "model")
     assert [s.values for s in specs] == [{"rate": 3, "model": MODELS[1]}, {"rate": 1, "model": MODELS[0]}]
-    assert specs[0].settings == {"workload-spec": str(spec), "max-num-seqs": "8", "rate": "3.0", "model": MODELS[1]}
+    assert specs[0].settings == {"workload-spec": str(spec), "max-num-seqs": 8, "rate": 3.0, "model": MODELS[1]}
 
 
 def test_coefficient_axes_fold_into_run_flags():
     default = load_coefficients()
     grid = parse_grid({"axes": {"beta-scale": [2.0], "alpha[1]": [7.5]}})
     (spec,) = grid.scenarios()
-    assert spec.settings["alpha-coeffs"].split(",") == [repr(default.alpha[0]), "7.5", repr(default.alpha[2])]
-    assert [float(b) for b in spec.settings["beta-coeffs"].split(",")] == [b * 2.0 for b in default.beta]
+    assert spec.settings["alpha-coeffs"] == (default.alpha[0], 7.5, default.alpha[2])
+    assert spec.settings["beta-coeffs"] == tuple(b * 2.0 for b in default.beta)
     # blis-jax's first-token lag alpha[3]: a BLIS (3-value) alpha gains the 4th entry
     (spec,) = parse_grid({"axes": {"alpha[3]": [1.0]}}).scenarios()
-    assert spec.settings["alpha-coeffs"].split(",") == [repr(a) for a in default.alpha] + ["1.0"]
+    assert spec.settings["alpha-coeffs"] == (*default.alpha, 1.0)
 
 
 @pytest.mark.slow
@@ -445,15 +445,15 @@ def sim_model():
 def test_switches_are_true_false_settings():
     """`run` switches (--flow-control, --queue-shedding, --pd-transfer-contention, ...) are
     settings with true / false values: true gives the flag, false leaves it out."""
-    from blis_jax.sweep import settings
+    from blis_jax.scenario.settings import apply_settings
 
     grid = parse_grid({"base": {"saturation-detector": "concurrency"},
                        "axes": {"flow-control": [True], "queue-shedding": [False, "true"]}})
     specs = grid.scenarios()
-    assert [s.settings["queue-shedding"] for s in specs] == ["false", "true"]
-    args = [settings.parse_run_args(s.settings, "grid") for s in specs]
-    assert [(a.flow_control, a.queue_shedding, a.saturation_detector) for a in args] == [
-        (True, False, "concurrency"), (True, True, "concurrency")]
+    assert [s.settings["queue-shedding"] for s in specs] == [False, True]
+    flows = [apply_settings(s.settings, "grid").cluster.flow_control for s in specs]
+    assert [(f.queue_shedding, f.saturation_detector) for f in flows] == [
+        (False, "concurrency"), (True, "concurrency")]
     with pytest.raises(ConfigError, match="flow-control: 'yes' must be true or false"):
         parse_grid({"axes": {"flow-control": ["yes"]}})
 

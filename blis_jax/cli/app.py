@@ -402,22 +402,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_sweep_parsers(sub) -> None:
-    # Imported here, not at the top: the sweep package resolves its scenarios through this module.
-    from blis_jax.sweep import commands
+    from blis_jax.cli import sweep  # imported here: it imports this module (add_memory_flag)
 
-    commands.add_parsers(sub)
+    sweep.add_parsers(sub)
 
 
 def cmd_sweep(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    from blis_jax.sweep import commands
+    from blis_jax.cli import sweep
 
-    return commands.cmd_sweep(args, stdout, stderr, diag)
+    return sweep.cmd_sweep(args, stdout, stderr, diag)
 
 
 def cmd_plan(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    from blis_jax.sweep import commands
+    from blis_jax.cli import sweep
 
-    return commands.cmd_plan(args, stdout, stderr, diag)
+    return sweep.cmd_plan(args, stdout, stderr, diag)
 
 
 def _add_fit_parser(sub) -> None:
@@ -445,15 +444,15 @@ def cmd_sensitivity(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> 
 
 
 def _add_observe_parser(sub) -> None:
-    from blis_jax.observe import commands  # flags and logic live in blis_jax/observe/
+    from blis_jax.cli import observe  # flags and output; the logic lives in blis_jax/observe/
 
-    commands.add_parser(sub)
+    observe.add_parser(sub)
 
 
 def cmd_observe(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    from blis_jax.observe import commands
+    from blis_jax.cli import observe
 
-    return commands.cmd_observe(args, stdout, stderr, diag)
+    return observe.cmd_observe(args, stdout, stderr, diag)
 
 
 # ---------------------------------------------------------------------------- diagnostics
@@ -574,15 +573,6 @@ def resolve_run_sessions(args, diag: Diagnostics):
     """(resolved scenario, requests, SessionLinks or None) of `run`'s flags."""
     resolved = resolve_command(args, diag)
     return resolved, resolved.requests, resolved.sessions
-
-
-def resolve_run(args, diag: Diagnostics):
-    """`run`'s flags → (resolved scenario, requests); closed-loop sessions are refused (sweeps)."""
-    scenario, requests, sessions = resolve_run_sessions(args, diag)
-    if sessions is not None:
-        raise ConfigError("--workload-spec: closed-loop sessions (their rounds arrive during the run) are not "
-                          "supported in sweeps yet; use `blis-jax run` for this workload")
-    return scenario, requests
 
 
 def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> ResolvedScenario:

@@ -1,5 +1,6 @@
-"""`run`/`replay` flags → `ScenarioConfig`, and the one table that names each configuration
-field by its flag, so that an error raised by the library still names what the user typed."""
+"""`run`/`replay` flags → `ScenarioConfig`, and the table that names each configuration field by
+its flag (from the scenario settings table), so that an error raised by the library still names
+what the user typed."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from blis_jax.scenario import (
     TraceWorkload,
 )
 from blis_jax.scenario.config import DEFAULT_NUM_REQUESTS
+from blis_jax.scenario.settings import SETTINGS
 from blis_jax.workload.distribution import DEFAULT_TIMEOUT_S, OUTPUT_DEFAULT, PROMPT_DEFAULT, GaussianLength
 
 _FLOW_CONTROL_FIELDS = ("saturation_detector", "dispatch_order", "fairness_policy", "slo_targets",
@@ -30,50 +32,13 @@ _CLUSTER_FIELDS = ("num_instances", "routing_policy", "routing_scorers", "admiss
                    "pd_transfer_contention", "prefill_routing_scorers", "decode_routing_scorers")
 
 
-def _flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
-# Configuration field path → the flag that sets it (`blis_jax.naming`).
+# Configuration field path → the flag that sets it (`blis_jax.naming`): the scenario settings
+# table (run's flags, `blis_jax.scenario.settings`), plus the workload section and replay's trace.
 FLAG_OF_FIELD: dict[str, str] = {
-    "seed": "--seed",
-    "horizon_us": "--horizon",
-    "deployment.model": "--model",
-    "deployment.hardware": "--hardware",
-    "deployment.tp": "--tp",
-    "deployment.latency_model": "--latency-model",
-    "deployment.alpha": "--alpha-coeffs",
-    "deployment.beta": "--beta-coeffs",
-    "deployment.coefficients": "--coefficients",
-    "deployment.total_kv_blocks": "--total-kv-blocks",
-    "deployment.block_size": "--block-size-in-tokens",
-    "deployment.gpu_memory_utilization": "--gpu-memory-utilization",
-    "deployment.max_model_len": "--max-model-len",
-    **{f"deployment.{pool}_{field}": f"--{pool}-{field.replace('_', '-')}"
-       for pool in ("prefill", "decode") for field in ("hardware", "tp", "max_model_len")},
-    **{f"engine.{field}": _flag(field) for field in ("max_num_seqs", "max_num_batched_tokens",
-                                                      "long_prefill_token_threshold", "scheduler",
-                                                      "preemption_policy")},
+    **{s.named_field: f"--{s.key}" for s in SETTINGS if s.names_field},
     "workload": "--workload",
-    "workload.kind": "--workload",
-    "workload.rate": "--rate",
-    "workload.num_requests": "--num-requests",
-    "workload.timeout_s": "--timeout",
-    "workload.prefix_tokens": "--prefix-tokens",
-    "workload.prompt": "--prompt-tokens",
-    "workload.output": "--output-tokens",
-    "workload.spec": "--workload-spec",
     "workload.header": "--trace-header",
     "workload.data": "--trace-data",
-    **{f"cluster.{field}": _flag(field) for field in _CLUSTER_FIELDS},
-    "cluster.snapshot_refresh_interval_us": "--snapshot-refresh-interval",
-    "cluster.cache_signal_delay_us": "--cache-signal-delay",
-    "cluster.admission_latency_us": "--admission-latency",
-    "cluster.routing_latency_us": "--routing-latency",
-    "cluster.flow_control": "--flow-control",
-    **{f"cluster.flow_control.{field}": _flag(field) for field in _FLOW_CONTROL_FIELDS},
-    "cluster.flow_control.request_ttl_us": "--request-ttl",
-    "cluster.flow_control.dispatch_tick_interval_us": "--dispatch-tick-interval",
 }
 
 

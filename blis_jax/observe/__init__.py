@@ -11,6 +11,6 @@
 * `warmup` — the tokens-per-word probe and the prewarm phase;
 * `kvscrape` — Prometheus `/metrics` and the observed KV hit rate;
 * `records` — the trace and ITL CSV writers; `summary` — the stdout blocks;
-* `progress` — the terminal progress line; `commands` — the subcommand;
+* `progress` — the terminal progress line (the subcommand itself: `blis_jax.cli.observe`);
 * `testserver` — a local OpenAI-compatible server with known token timing (spec §11).
 """

@@ -4,8 +4,8 @@ Four sources, one result (`ObservedWorkload`: a RequestSet whose static rows are
 arrival, plus session links for closed-loop follow-ups):
 
 * `--workload-spec FILE` → `workload.generate.generate_workload(..., sessions="first_round")`;
-* `--workload PRESET --rate R` and `--rate R` (distribution) → `cli.run_workload`, the very
-  function `run` uses, then `generate_distribution`;
+* `--workload PRESET --rate R` and `--rate R` (distribution) → a `SyntheticWorkload` and
+  `scenario.resolve.distribution_workload`, as `run` builds it, then `generate_distribution`;
 * `--concurrency N` → a one-client spec with `concurrency: N` users (the spec path above).
 
 Observe differs from `run` in two ways (BLIS): no client timeout is pushed into the workload
@@ -33,6 +33,7 @@ from blis_jax.workload.distribution import (
     OUTPUT_DEFAULT,
     PROMPT_DEFAULT,
     SHARED_PREFIX_GROUP,
+    GaussianLength,
     generate_distribution,
 )
 from blis_jax.workload.requests import RequestSet
@@ -100,7 +101,7 @@ def follow_up_ids(seed: int, row: int, length: int, previous: list[int] | None, 
 
 
 def build_workload(args: argparse.Namespace, diag) -> ObservedWorkload:
-    """The workload of observe's flags (validated beforehand by `commands.validate`)."""
+    """The workload of observe's flags (validated beforehand by `cli.observe.validate`)."""
     if args.workload_spec:
         return _from_spec(args.workload_spec, args, label=args.workload_spec)
     if args.concurrency and args.concurrency > 0:
@@ -109,19 +110,30 @@ def build_workload(args: argparse.Namespace, diag) -> ObservedWorkload:
 
 
 def _from_distribution(args, diag) -> ObservedWorkload:
-    from blis_jax.cli import run_workload  # `run`'s own flags → DistributionWorkload
+    from blis_jax.scenario import SyntheticWorkload
+    from blis_jax.scenario.resolve import distribution_workload
 
     seed = 42 if args.seed is None else args.seed
     check_bounded(args, 0, 0)
-    ns = argparse.Namespace(**{**vars(args), "workload": args.workload or "distribution",
-                               "num_requests": args.num_requests or 0, "timeout": -1.0,
-                               "horizon": args.horizon if args.horizon else None})
-    workload = run_workload(ns, diag)
+    synthetic = SyntheticWorkload(kind=args.workload or "distribution", rate=args.rate,
+                                  num_requests=args.num_requests or 0, timeout_s=-1.0, prefix_tokens=args.prefix_tokens,
+                                  prompt=_given_lengths(args, "prompt", PROMPT_DEFAULT),
+                                  output=_given_lengths(args, "output", OUTPUT_DEFAULT))
+    workload = distribution_workload(synthetic, args.horizon or None, warn=diag.warn if diag is not None else None)
     requests = generate_distribution(workload, seed)
     groups = {SHARED_PREFIX_GROUP: workload.prefix_tokens} if workload.prefix_tokens > 0 else {}
     return ObservedWorkload(requests=requests, links=SessionLinks.none(len(requests)), seed=seed,
                             workload_spec=f"preset:{args.workload}" if args.workload else None,
                             prefix_lengths=groups, accumulate=())
+
+
+def _given_lengths(args, kind: str, default: GaussianLength) -> GaussianLength | None:
+    """The length distribution of run's four flags, None when none is given (the defaults)."""
+    values = [getattr(args, f"{kind}_tokens{s}") for s in ("", "_stdev", "_min", "_max")]
+    if all(v is None for v in values):
+        return None
+    return GaussianLength(*(d if v is None else v for v, d in zip(values, (default.mean, default.std,
+                                                                            default.min, default.max))))
 
 
 def _length_dist(mean, std, lo, hi) -> dict:

@@ -21,6 +21,7 @@ clusters across scenarios is a later optimization).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,10 +29,11 @@ from typing import Any
 import jax
 
 from blis_jax.cluster import scorers
-from blis_jax.cluster.deployments import PoolDeployment, largest_kv_blocks
+from blis_jax.cluster.deployments import largest_kv_blocks
 from blis_jax.cluster.simulate import ClusterConfig, simulate_cluster
 from blis_jax.engine.dims import EngineDims, bucket, choose_dims
 from blis_jax.engine.params import EngineParams
+from blis_jax.scenario import ResolvedScenario
 from blis_jax.sweep.lane import BATCH_START
 from blis_jax.sweep.progress import SweepProgress
 from blis_jax.sweep.shared_runs import inputs_digest, unbound_peak
@@ -51,30 +53,37 @@ def instance_slots(num_instances: int) -> int:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClusterScenario:
-    """One resolved cluster scenario (what `blis-jax run` passes to simulate_cluster)."""
+    """One resolved cluster scenario, run as `blis-jax run` runs it (simulate_cluster), at
+    the sweep's instance slots and starting batch."""
 
-    requests: RequestSet
-    params: EngineParams
-    model: Any  # LatencyModel
-    cluster: ClusterConfig
-    block_size: int = 16
-    scheduler: str = "fcfs"
-    preemption_policy: str = "fcfs"
-    kv_bytes_per_token: float = 0.0  # per GPU (sizes PD KV transfers), as cli.Scenario
-    prefill_pool: PoolDeployment | None = None  # PD pools on their own hardware / TP, as cli.Scenario
-    decode_pool: PoolDeployment | None = None
+    scenario: ResolvedScenario
+
+    @property
+    def requests(self) -> RequestSet:
+        return self.scenario.requests
+
+    @functools.cached_property
+    def params(self) -> EngineParams:
+        return self.scenario.params
+
+    @property
+    def model(self):
+        return self.scenario.latency_model
+
+    @property
+    def cluster(self) -> ClusterConfig:
+        return self.scenario.cluster
 
     def engine_dims(self) -> EngineDims:
         """The engine dims simulate_cluster picks for this scenario (first attempt). Only
         the grouping depends on this copy of its rule: a scenario always runs at the dims
         simulate_cluster itself chooses."""
-        r = self.requests
+        r, s = self.requests, self.scenario
         return choose_dims(input_len=r.input_len, output_len=r.output_len, prefix_group=r.prefix_group,
                            prefix_len=r.prefix_len, max_num_seqs=int(self.params.max_num_seqs),
                            max_num_batched_tokens=int(self.params.max_num_batched_tokens),
-                           total_kv_blocks=largest_kv_blocks(self.params, self.prefill_pool, self.decode_pool),
-                           block_size=self.block_size,
-                           scheduler=self.scheduler, preemption_policy=self.preemption_policy,
+                           total_kv_blocks=largest_kv_blocks(self.params, s.prefill_pool, s.decode_pool),
+                           block_size=s.block_size, scheduler=s.scheduler, preemption_policy=s.preemption_policy,
                            step_log=EVENTS_PER_CHUNK, batch_start=BATCH_START)
 
     def group_key(self) -> tuple:
@@ -92,22 +101,24 @@ class ClusterScenario:
                 names(c.routing_scorers) if c.routing_policy == "weighted" else (), type(c.admission()), pd)
 
     def simulate(self, slots: int):
+        s = self.scenario
         return simulate_cluster(self.requests, self.params, self.model,
                                 dataclasses.replace(self.cluster, instance_slots=slots),
-                                block_size=self.block_size, scheduler=self.scheduler,
-                                preemption_policy=self.preemption_policy, events_per_chunk=EVENTS_PER_CHUNK,
-                                kv_bytes_per_token=self.kv_bytes_per_token, prefill_pool=self.prefill_pool,
-                                decode_pool=self.decode_pool, batch_start=BATCH_START)
+                                block_size=s.block_size, scheduler=s.scheduler,
+                                preemption_policy=s.preemption_policy, events_per_chunk=EVENTS_PER_CHUNK,
+                                kv_bytes_per_token=s.kv_bytes_per_token, prefill_pool=s.prefill_pool,
+                                decode_pool=s.decode_pool, batch_start=BATCH_START)
 
     def family_key(self) -> tuple:
         """Equal for scenarios that differ at most in max-num-seqs (`shared_runs.py`): the
         cluster and pool settings by their exact repr, the arrays by digest."""
-        pools = (self.prefill_pool, self.decode_pool)
+        s = self.scenario
+        pools = (s.prefill_pool, s.decode_pool)
         settings = [None if p is None else dataclasses.replace(p, latency_model=None) for p in pools]
         models = [self.model] + [p.latency_model for p in pools if p is not None]
         # (not group_key: its engine dims depend on max-num-seqs below 32)
-        return (jax.tree.structure(models), repr(self.cluster), repr(settings), self.block_size, self.scheduler,
-                self.preemption_policy, repr(self.kv_bytes_per_token),
+        return (jax.tree.structure(models), repr(self.cluster), repr(settings), s.block_size, s.scheduler,
+                s.preemption_policy, repr(s.kv_bytes_per_token),
                 inputs_digest(self.params, self.requests, jax.tree.leaves(models)))
 
 

@@ -40,7 +40,7 @@ def check_axis(key: str, values, where: str) -> None:
             raise ConfigError(f"{where}.{key}: {v!r} must be >= 0 (a factor on every coefficient)")
 
 
-def apply(settings: Mapping[str, str], values: Mapping[str, Any], where: str) -> dict[str, str]:
+def apply(settings: Mapping[str, Any], values: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Settings with the coefficient axes of `values` folded into alpha-coeffs/beta-coeffs."""
     axes = {k: v for k, v in values.items() if is_coefficient_axis(k)}
     out = dict(settings)
@@ -66,15 +66,14 @@ def apply(settings: Mapping[str, str], values: Mapping[str, Any], where: str) ->
                               f"(indices 0..{len(coeffs) - 1})")
         coeffs[index] = float(value)
     out.pop("coefficients", None)
-    out["alpha-coeffs"] = ",".join(repr(c) for c in alpha)
-    out["beta-coeffs"] = ",".join(repr(c) for c in beta)
+    out["alpha-coeffs"] = tuple(alpha)
+    out["beta-coeffs"] = tuple(beta)
     return out
 
 
-def _base_coefficients(settings: Mapping[str, str], where: str) -> tuple[list[float], list[float]]:
+def _base_coefficients(settings: Mapping[str, Any], where: str) -> tuple[list[float], list[float]]:
     if "alpha-coeffs" in settings and "beta-coeffs" in settings:
-        return ([float(x) for x in settings["alpha-coeffs"].split(",")],
-                [float(x) for x in settings["beta-coeffs"].split(",")])
+        return list(settings["alpha-coeffs"]), list(settings["beta-coeffs"])
     if "alpha-coeffs" in settings or "beta-coeffs" in settings:
         raise ConfigError(f"{where}: give both alpha-coeffs and beta-coeffs, or neither")
     try:

@@ -54,11 +54,11 @@ class PlotSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ScenarioSpec:
-    """Scenario `index`: its axis values and the run settings ({key: flag token}) they give."""
+    """Scenario `index`: its axis values and the run settings ({key: checked value}) they give."""
 
     index: int
     values: Mapping[str, Any]
-    settings: Mapping[str, str]
+    settings: Mapping[str, Any]
 
     @property
     def label(self) -> str:
@@ -73,10 +73,10 @@ def scenario_label(index: int, values: Mapping[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
-    """A validated grid: base settings (flag tokens), axis keys, one value combination per
+    """A validated grid: base settings (checked values), axis keys, one value combination per
     scenario, and plots."""
 
-    base: Mapping[str, str]
+    base: Mapping[str, Any]
     axes: tuple[str, ...]
     combos: tuple[Mapping[str, Any], ...]
     plots: tuple[PlotSpec, ...] = ()
@@ -87,12 +87,12 @@ class Grid:
         for i, combo in enumerate(self.combos):
             values = dict(combo)
             where = f"{self.source}: {scenario_label(i, values)}"
-            tokens = dict(self.base)
+            checked = dict(self.base)
             for key, value in values.items():
                 if not coefficient_axes.is_coefficient_axis(key):
-                    tokens[key] = settings.value_token(key, value, where)
-            tokens = coefficient_axes.apply(tokens, values, where)
-            out.append(ScenarioSpec(index=i, values=values, settings=tokens))
+                    checked[key] = settings.check_value(key, value, where)
+            checked = coefficient_axes.apply(checked, values, where)
+            out.append(ScenarioSpec(index=i, values=values, settings=checked))
         return out
 
     def with_axis(self, key: str, values: list[Any]) -> Grid:
@@ -174,29 +174,29 @@ def _check_keys(mapping: Mapping, allowed, where: str) -> None:
             raise ConfigError(f"{where}: unknown key {short(key)}{hint}; allowed: {', '.join(allowed)}")
 
 
-def _parse_base(base: Any, source: str, root: Path | None) -> dict[str, str]:
+def _parse_base(base: Any, source: str, root: Path | None) -> dict[str, Any]:
     where = f"{source}: base"
     if not isinstance(base, Mapping):
         raise ConfigError(f"{where}: must be a mapping of run settings, e.g. {{rate: 10, num-requests: 500}}")
-    out: dict[str, str] = {}
+    out: dict[str, Any] = {}
     for raw_key, value in base.items():
         if isinstance(raw_key, str) and coefficient_axes.is_coefficient_axis(raw_key):
             raise ConfigError(f"{where}.{raw_key}: is an axis only; in base give alpha-coeffs / beta-coeffs")
         key = settings.canonical_key(raw_key, where)
         if key in out:
             raise ConfigError(f"{where}.{raw_key}: {key} is set twice (dashes and underscores are the same key)")
-        out[key] = _file_setting(key, settings.value_token(key, value, where), root)
+        out[key] = _file_setting(key, settings.check_value(key, value, where), root)
         _check_cluster_value(key, value, f"{where}.{key}")
     return out
 
 
-def _file_setting(key: str, token: str, root: Path | None) -> str:
-    if root is None or Path(token).is_absolute():
-        return token
-    candidate = root / token
-    if key in PATH_SETTINGS or (key in MAYBE_PATH_SETTINGS and os.path.exists(candidate)):
+def _file_setting(key: str, value: Any, root: Path | None) -> Any:
+    if root is None or key not in (*PATH_SETTINGS, *MAYBE_PATH_SETTINGS) or Path(value).is_absolute():
+        return value
+    candidate = root / value
+    if key in PATH_SETTINGS or os.path.exists(candidate):
         return str(candidate)
-    return token
+    return value
 
 
 def _axis_key(raw_key: Any, where: str) -> str:
@@ -223,13 +223,13 @@ def _check_values(key: str, values, where: str) -> None:
         coefficient_axes.check_axis(key, values, where.rsplit(".", 1)[0])
         return
     for value in values:
-        settings.value_token(key, value, where.rsplit(".", 1)[0])
+        settings.check_value(key, value, where.rsplit(".", 1)[0])
         _check_cluster_value(key, value, where)
 
 
 def _check_cluster_value(key: str, value: Any, where: str) -> None:
     """Cluster settings `run` would only reject later: the instance count's range and the
-    weighted-routing scorer list (value already type-checked by settings.value_token)."""
+    weighted-routing scorer list (value already type-checked by settings.check_value)."""
     if key == "num-instances":
         from blis_jax.cluster.simulate import MAX_INSTANCES
 
@@ -242,10 +242,10 @@ def _check_cluster_value(key: str, value: Any, where: str) -> None:
         parse_profile(str(value), flag=where)
 
 
-def _check_scenarios(base: Mapping[str, str], combos, source: str) -> None:
+def _check_scenarios(base: Mapping[str, Any], combos, source: str) -> None:
     """Rules between settings, per scenario: routing-scorers needs routing-policy weighted
     (as `run`, but before anything is resolved)."""
-    default_policy = settings.run_default("routing-policy")
+    default_policy = settings.default("routing-policy")
     for i, combo in enumerate(combos):
         if "routing-scorers" not in combo and "routing-scorers" not in base:
             continue

@@ -57,6 +57,14 @@ class InstanceLane:
 
     run = staticmethod(run_instance)
 
+    @classmethod
+    def of(cls, scenario, requests: RequestSet | None = None, **batch) -> InstanceLane:
+        """The lane of a `ResolvedScenario` (its requests, or `requests`: e.g. one instance's
+        share of a cluster); `batch`: the batch-only fields (share, batch_start, ...)."""
+        return cls(requests=scenario.requests if requests is None else requests, params=scenario.params,
+                   model=scenario.latency_model, block_size=scenario.block_size, scheduler=scenario.scheduler,
+                   preemption_policy=scenario.preemption_policy, **batch)
+
     def group_key(self) -> tuple:
         """The model's tree structure holds its static fields (kind, beta mode, MoE
         communication); block size, scheduler and preemption policy are static dims."""

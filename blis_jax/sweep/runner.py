@@ -2,8 +2,8 @@
 
 Every scenario is resolved (workload generated, latency model built) before anything is
 simulated, so a bad value anywhere in the grid fails in seconds, not after the first batch.
-Single-instance scenarios with always-admit (`Scenario.single_instance`, as `blis-jax run`
-decides) run as lanes of batched programs, and so do the instances of a cluster whose instances
+Single-instance scenarios with always-admit (`ResolvedScenario.single_instance`, as
+`blis-jax run` decides) run as lanes of batched programs, and so do the instances of a cluster whose instances
 never interact (round-robin, always-admit, no latencies, no PD pools: `cluster/decompose.py`),
 merged afterwards; the others run on the cluster engine (`clusters.py`), grouped so that each
 structural group compiles once.
@@ -67,26 +67,22 @@ def run_sweep(
     split: dict[int, tuple] = {}  # position → (handled_by, members) of a cluster run as independent instances
     request_sets = []
     for k, spec in enumerate(specs):
-        scenario, requests, params = settings.resolve(spec.settings, once, f"{grid.source}: {spec.label}")
-        common = {"requests": requests, "params": params, "model": scenario.latency_model,
-                  "block_size": scenario.block_size, "scheduler": scenario.scheduler,
-                  "preemption_policy": scenario.preemption_policy}
+        scenario = settings.resolve(spec.settings, once, f"{grid.source}: {spec.label}")
+        requests = scenario.requests
         if scenario.single_instance:
-            lanes.append((k, InstanceLane(**common)))
+            lanes.append((k, InstanceLane.of(scenario)))
         elif decompose.independent(scenario.cluster.validate(), requests):
             n = scenario.cluster.num_instances
-            horizon = int(params.horizon_us)
+            horizon = int(scenario.params.horizon_us)
             handled = decompose.route(requests, n, horizon if horizon < INF_TIME else None)
             members = [np.flatnonzero(handled == i) for i in range(n)]
             split[k] = (handled, members)
             for idx in members:
                 if len(idx):
-                    lanes.append((k, InstanceLane(**{**common, "requests": decompose.instance_requests(requests, idx)},
-                                                  share=1 / n)))
+                    part = decompose.instance_requests(requests, idx)
+                    lanes.append((k, InstanceLane.of(scenario, part, share=1 / n)))
         else:
-            clusters.append((k, ClusterScenario(cluster=scenario.cluster, kv_bytes_per_token=scenario.kv_bytes_per_token,
-                                                prefill_pool=scenario.prefill_pool, decode_pool=scenario.decode_pool,
-                                                **common)))
+            clusters.append((k, ClusterScenario(scenario)))
         request_sets.append(requests)
     if progress is not None:
         progress.total = len(specs)

@@ -1,4 +1,5 @@
-"""`blis-jax observe`: flags (BLIS's names), validation, and the run sequence (spec §1–2, §8).
+"""`blis-jax observe`: flags (BLIS's names), validation, and the run sequence (spec §1–2, §8);
+the pieces (workload, client, dispatcher, records, ...) are in `blis_jax.observe`.
 
 Choices where BLIS's observe has a flaw (spec §12), all keeping BLIS's defaults on the wire:
 * `--slo-ttft/-itl/-e2e`, `--think-time-dist` and the output paths are checked before anything
@@ -209,11 +210,14 @@ class _Log:
 
 
 def cmd_observe(args, stdout: TextIO, stderr: TextIO, diag) -> int:
+    from blis_jax.cli.scenario_flags import FLAG_OF_FIELD
+    from blis_jax.naming import naming
     from blis_jax.observe.workload import build_workload
 
     parsed = validate(args, diag)
     log = _Log(stderr, args.log)
-    workload = build_workload(args, diag)
+    with naming(FLAG_OF_FIELD):  # observe's workload flags are run's
+        workload = build_workload(args, diag)
     if "adapter" in workload.requests.trace_columns:
         diag.warn("the workload spec declares LoRA adapters; observe ignores them (every request goes to --model)")
     n_static = len(workload.static_rows)

@@ -1,4 +1,4 @@
-"""`blis-jax sweep` and `blis-jax plan`: flags and command bodies (cli.py registers them)."""
+"""`blis-jax sweep` and `blis-jax plan`: flags and command bodies (logic in `blis_jax.sweep`)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TextIO
 
+from blis_jax.cli.app import add_memory_flag
 from blis_jax.errors import ConfigError
 from blis_jax.io_safety import short
 from blis_jax.sweep import plan as planning
@@ -78,8 +79,6 @@ def _add_batch_flags(p: argparse.ArgumentParser, part: bool = True) -> None:
                         "(the answers are identical; for timing the engine alone)")
     g.add_argument("--progress", action="store_true",
                    help="progress lines on stderr even when it is not a terminal")
-    from blis_jax.cli import add_memory_flag
-
     add_memory_flag(g)
     g.add_argument("--log", default="warn", metavar="LEVEL",
                    choices=("trace", "debug", "info", "warn", "warning", "error", "fatal", "panic"),
