@@ -15,6 +15,7 @@ Used by the sweep's batch programs and by the engine and cluster drivers of `run
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import functools
 import hashlib
@@ -88,13 +89,33 @@ def call(program: Callable, name: str, *args):
 def _compile(program: Callable, args) -> tuple[object, bool]:
     """`program` compiled for `args`, and whether that executable may be written to disk.
 
-    It may not when JAX's persistent compilation cache supplied it: XLA:CPU serializes an
+    JAX's persistent compilation cache is bypassed for this compilation: XLA:CPU serializes an
     executable it read back from that cache without the object code of its fused kernels, and
     a later process that loads it fails on its first call ("Function ... fusion not found").
-    Such a process runs on the cache's copy and writes nothing."""
+    That cache is keyed on the program, not on this package's source, so after any edit of
+    the package it would answer every program, and no entry here would ever be written again.
+    Should the bypass not take (another JAX), a cache hit is detected and nothing is written."""
     hits_before = _persistent_cache_hits()
-    compiled = program.lower(*args).compile()
+    with _persistent_cache_bypassed():
+        compiled = program.lower(*args).compile()
     return compiled, _persistent_cache_hits() == hits_before
+
+
+@contextlib.contextmanager
+def _persistent_cache_bypassed():
+    try:
+        from jax.experimental.compilation_cache.compilation_cache import reset_cache
+    except ImportError:  # another JAX: the hit detection above still keeps bad entries out
+        yield
+        return
+    previous = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()   # JAX decides once per process whether its cache is used: decide again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", previous)
+        reset_cache()
 
 
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
