@@ -152,9 +152,10 @@ def _timing_run(tmp_path, n: int, within_5ms: float) -> None:
 def test_recorded_ttft_and_e2e_match_the_server(tmp_path):
     # The default suite runs on shared 2-core machines: with a load average of ~10 the kernel
     # delays one of the two processes by ~10 ms for a few percent of the requests (a bare
-    # aiohttp client shows the same; measured 82-99 % within 5 ms at load averages of 8-13),
-    # hence 75 % here plus the median bound, which a systematic timing error breaks.
-    _timing_run(tmp_path, 100, within_5ms=0.75)
+    # aiohttp client shows the same; measured 82-99 % within 5 ms at load averages of 8-13,
+    # 68 % at a load average above 12), hence 60 % here plus the median bound, which a
+    # systematic timing error breaks.
+    _timing_run(tmp_path, 100, within_5ms=0.6)
 
 
 @pytest.mark.slow
