@@ -12,6 +12,14 @@ Three groups of buffers, each with a fixed capacity from `EngineDims`:
   re-admitted, so it can re-hit its own surviving prefix blocks.
 * per KV block (K): reference count, content key (hash stand-in), and the LRU free list
   (never-used blocks first, then a FIFO ring of released blocks).
+
+Dimension names of the field annotations (each one `EngineDims` capacity; tests check them):
+N requests (`num_requests`), W in-flight window (`window`), U closed-loop session slots
+(`sessions`), S running-batch slots (`batch_slots`), R block-table rows (`rows`), B blocks per
+row (`blocks_per_request`), P preempted slots (`preempted_slots`), Q wait-window slots
+(`wait_slots`), E exit log (`exit_log`), K KV blocks (`kv_blocks`), F free ring (`free_ring`),
+G prefix groups (`prefix_groups`), PB blocks per prefix group (`prefix_blocks`), L step log
+(`step_log`), RL run log (`run_log`), T step trace (`trace_log`).
 """
 
 from __future__ import annotations
@@ -86,11 +94,11 @@ class EngineState(eqx.Module):
     num_deadlines: Int32[Array, ""]
 
     # closed-loop session slots: a pending next round, or the in-flight round's timeout
-    sess_enqueue: Int64[Array, " S"]  # enqueue time of the pending round, INF none
-    sess_req: Int32[Array, " S"]
-    sess_seq: Int64[Array, " S"]  # generation order (same-tick tie-break)
-    sess_deadline: Int64[Array, " S"]  # timeout of the in-flight follow-up, INF none
-    sess_live: Int32[Array, " S"]
+    sess_enqueue: Int64[Array, " U"]  # enqueue time of the pending round, INF none
+    sess_req: Int32[Array, " U"]
+    sess_seq: Int64[Array, " U"]  # generation order (same-tick tie-break)
+    sess_deadline: Int64[Array, " U"]  # timeout of the in-flight follow-up, INF none
+    sess_live: Int32[Array, " U"]
     follow_ups: Int64[Array, ""]  # rounds generated so far
     pool_user: Int32[Array, " N"]  # session slot that took each follow-up pool row, -1 none (write-only)
     follow_seq: Int64[Array, " N"]  # generation order of each follow-up generated, -1 none (write-only)
