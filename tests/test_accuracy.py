@@ -202,6 +202,17 @@ def test_replay_args_are_read_through_the_table_of_known_flags(slice_folder):
             real_traces.replay_fields({**case, "replay_args": args}, slice_folder)
 
 
+def test_a_bad_replay_value_is_reported_with_its_flag(slice_folder, tmp_path):
+    folder = tmp_path / "bad-tp"
+    shutil.copytree(slice_folder, folder)
+    case = json.loads((folder / "case.json").read_text())
+    args = case["replay_args"]
+    args[args.index("--tp") + 1] = "-1"
+    (folder / "case.json").write_text(json.dumps(case))
+    with pytest.raises(ConfigError, match=r"^real run bad-tp: --tp -1: the tensor-parallel degree must be >= 1"):
+        real_traces.load_run(folder, "fits/trained-physics-iter29.yaml")
+
+
 # ---------------------------------------------------------------------------------- replay
 
 

@@ -39,6 +39,7 @@ import numpy as np
 from blis_jax import calibrate
 from blis_jax.errors import ConfigError
 from blis_jax.fit.observed import loss_terms
+from blis_jax.naming import naming
 from blis_jax.scenario import Deployment, EngineSettings, ResolvedScenario, ScenarioConfig, TraceWorkload
 from blis_jax.scenario.resolve import Warn, replay_horizon, resolve_deployment
 from blis_jax.workload.requests import NO_PREFIX_GROUP, RequestSet
@@ -188,18 +189,23 @@ def replay_fields(case: Mapping[str, Any], folder: Path) -> dict[str, Any]:
     return fields
 
 
+def _section(fields: Mapping[str, Any], section: str) -> dict[str, Any]:
+    return {path.split(".", 1)[1]: value for path, value in fields.items() if path.startswith(section + ".")}
+
+
 def scenario_config(case: Mapping[str, Any], folder: str | Path, coefficients: str | Path) -> ScenarioConfig:
     """The scenario of `blis-jax replay <case.json replay_args> --coefficients FILE` run in `folder`."""
     fields = replay_fields(case, Path(folder))
-    section = lambda prefix: {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith(prefix)}  # noqa: E731
-    return ScenarioConfig(deployment=Deployment(**section("deployment."), coefficients=coefficients),
-                          engine=EngineSettings(**section("engine.")), workload=TraceWorkload(**section("workload.")))
+    return ScenarioConfig(deployment=Deployment(**_section(fields, "deployment"), coefficients=coefficients),
+                          engine=EngineSettings(**_section(fields, "engine")),
+                          workload=TraceWorkload(**_section(fields, "workload")))
 
 
 def load_run(folder: str | Path, coefficients: str | Path, *, prefix_mode: str = "prompt",
              warn: Warn | None = None) -> RealRun:
     """The run's scenario as `blis-jax replay <case.json replay_args> --coefficients FILE`
-    resolves it, with the requests grouped per `prefix_mode` (`warn` as in `scenario.resolve`)."""
+    resolves it, with the requests grouped per `prefix_mode` (`warn` as in `scenario.resolve`).
+    Configuration errors name case.json's flags."""
     from blis_jax.workload.tracev2 import read_trace
 
     folder = Path(folder)
@@ -207,16 +213,18 @@ def load_run(folder: str | Path, coefficients: str | Path, *, prefix_mode: str =
         case = json.loads((folder / "case.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{folder / 'case.json'}: cannot read ({e})") from e
-    config = scenario_config(case, folder, coefficients)
-    trace = config.workload
-    header, requests = read_trace(trace.header, trace.data)
+    try:
+        with naming({field: flag for flag, (field, _) in REPLAY_FLAGS.items() if field}):
+            config = scenario_config(case, folder, coefficients)
+            header, requests = read_trace(config.workload.header, config.workload.data)
+            simulated = with_prefix_groups(requests, case, prefix_mode)
+            deployment = resolve_deployment(config, horizon_us=replay_horizon(config.horizon_us, simulated), warn=warn)
+    except ConfigError as e:
+        raise ConfigError(f"real run {folder.name}: {e}") from None
     observed = calibrate.observed_from_trace(requests, source=f"{folder / 'trace.csv'}")
-    simulated = with_prefix_groups(requests, case, prefix_mode)
     # as `replay` resolves the trace (scenario.resolve), with the grouped requests
-    scenario = dataclasses.replace(
-        resolve_deployment(config, horizon_us=replay_horizon(config.horizon_us, simulated), warn=warn),
-        requests=simulated, header=dataclasses.replace(header, mode="replayed"),
-        goodput_targets=header.goodput_slo_targets)
+    scenario = dataclasses.replace(deployment, requests=simulated, header=dataclasses.replace(header, mode="replayed"),
+                                   goodput_targets=header.goodput_slo_targets)
     return RealRun(name=folder.name, folder=folder, case=case, header=header, scenario=scenario,
                    observed=observed, stage=np.asarray(requests.client_id, dtype=str), prefix_mode=prefix_mode)
 
