@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,9 +33,8 @@ def main() -> None:
     sharding.host_devices_per_core()  # batched: one lane per core, as `python -m blis_jax.golden`
     experiments = golden.load_experiments(args.reference, args.latency_model)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        timings: dict = {}
-        metrics = golden.run_experiments(experiments, tmp, batched=not args.single, timings=timings)
+    timings: dict = {}
+    metrics = golden.run_experiments(experiments, batched=not args.single, timings=timings)
     wall = time.perf_counter() - start
     requests = sum(m["completed_requests"] for m in metrics)
     passing = sum(not golden.compare(e, m) for e, m in zip(experiments, metrics))

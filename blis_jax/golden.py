@@ -2,9 +2,10 @@
 
 Each experiment (BLIS `testdata/trained_physics_iter29.json`, `roofline_goldendataset.json`)
 names a model, TP, KV blocks, batch limits and a workload spec with multi-turn chat, and BLIS's
-resulting metrics. `run_flags` turns an experiment into the `blis-jax run` command line that
-reproduces it; `run_experiments` runs many of them (batched where their shapes allow) through
-exactly the same resolution code as `run` and returns the `run` metrics block of each.
+resulting metrics. `scenario_config` turns an experiment into the `ScenarioConfig` that
+`blis-jax run` builds from `run_flags` (the equivalent command line); `run_experiments` runs many
+of them (batched where their shapes allow) through the scenario layer `run` uses and returns the
+`run` metrics block of each.
 
 Acceptance: completed requests and token totals equal BLIS's; TTFT / E2E / ITL means and
 p90 / p99 within 0.1 %. The workloads come from BLIS's own Go streams (blis-rng.md), so the
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import sys
 import time
@@ -27,7 +27,10 @@ from pathlib import Path
 
 import yaml
 
-from blis_jax.errors import ConfigError
+from blis_jax.errors import ConfigError, SimulationFailed
+from blis_jax.scenario import Deployment, EngineSettings, ResolvedScenario, ScenarioConfig, SpecWorkload
+from blis_jax.scenario import resolve as resolve_scenario
+from blis_jax.scenario.resolve import Warn
 
 REFERENCE_FILES = {"trained-physics": "trained_physics_iter29.json", "roofline": "roofline_goldendataset.json"}
 EXACT_FIELDS = ("completed_requests", "total_input_tokens", "total_output_tokens")
@@ -84,16 +87,24 @@ def run_flags(exp: GoldenExperiment, spec_path: str | Path) -> list[str]:
             "--workload-spec", str(spec_path)]
 
 
-def resolve(exp: GoldenExperiment, workdir: str | Path):
-    """(scenario, requests, session links) exactly as `blis-jax run` resolves the experiment."""
-    from blis_jax import cli
+def scenario_config(exp: GoldenExperiment) -> ScenarioConfig:
+    """The scenario of `blis-jax run` with `run_flags(exp, ...)`: no seed given, so the workload
+    spec's own seed is used (BLIS's precedence)."""
+    return ScenarioConfig(
+        deployment=Deployment(model=exp.model, hardware=exp.hardware, tp=exp.tp, latency_model=exp.latency_model,
+                              total_kv_blocks=exp.total_kv_blocks),
+        engine=EngineSettings(max_num_seqs=exp.max_num_seqs, max_num_batched_tokens=exp.max_num_batched_tokens),
+        workload=SpecWorkload(spec=exp.workload))
 
-    args = cli.build_parser().parse_args(run_flags(exp, write_spec(exp, workdir)))
-    return cli.resolve_run_sessions(args, cli.Diagnostics(io.StringIO()))
+
+def resolve(exp: GoldenExperiment, *, warn: Warn | None = None) -> ResolvedScenario:
+    """The experiment resolved as `blis-jax run` resolves it (`warn` as in `scenario.resolve`)."""
+    return resolve_scenario(scenario_config(exp), warn=warn)
 
 
-def run_experiments(experiments: Sequence[GoldenExperiment], workdir: str | Path, *, batched: bool = True,
-                    progress: Callable[[str], None] | None = None, timings: dict | None = None) -> list[dict]:
+def run_experiments(experiments: Sequence[GoldenExperiment], *, batched: bool = True,
+                    progress: Callable[[str], None] | None = None, timings: dict | None = None,
+                    warn: Warn | None = None) -> list[dict]:
     """The `run` metrics block of each experiment (`timings`, if given, gets the seconds spent
     generating the workloads as `generate_s`). Batched: the experiments share one compiled
     program per latency-model structure (dims covering all of them) and run as lanes of the
@@ -103,7 +114,7 @@ def run_experiments(experiments: Sequence[GoldenExperiment], workdir: str | Path
     from blis_jax.metrics import metrics_output
 
     start = time.perf_counter()
-    resolved = [resolve(exp, workdir) for exp in experiments]
+    resolved = [resolve(exp, warn=warn) for exp in experiments]
     if timings is not None:
         timings["generate_s"] = time.perf_counter() - start
     if batched:
@@ -111,32 +122,25 @@ def run_experiments(experiments: Sequence[GoldenExperiment], workdir: str | Path
         from blis_jax.sweep.lane import SessionLane
         from blis_jax.sweep.progress import SweepProgress
 
-        lanes = [SessionLane(requests=requests, links=links, params=_params(scenario), model=scenario.latency_model,
-                             block_size=scenario.block_size, scheduler=scenario.scheduler,
-                             preemption_policy=scenario.preemption_policy)
-                 for scenario, requests, links in resolved]
+        lanes = [SessionLane(requests=s.requests, links=s.sessions, params=s.params, model=s.latency_model,
+                             block_size=s.block_size, scheduler=s.scheduler, preemption_policy=s.preemption_policy)
+                 for s in resolved]
         bar = SweepProgress(sys.stderr, len(lanes), prefix="blis-jax golden") if progress is not None else None
         outputs = run_lanes(lanes, lambda _, result: result, progress=bar)
         if bar is not None:
             bar.close()
     else:
         outputs = []
-        for exp, (scenario, requests, links) in zip(experiments, resolved):
+        for exp, s in zip(experiments, resolved):
             if progress is not None:
-                progress(f"{exp.name}: {len(requests)} requests")
-            outputs.append(simulate_sessions(requests, links, _params(scenario), scenario.latency_model))
+                progress(f"{exp.name}: {len(s.requests)} requests")
+            outputs.append(simulate_sessions(s.requests, s.sessions, s.params, s.latency_model))
     metrics = []
     for final, out in outputs:
         if out.result != 0:
-            raise RuntimeError(f"golden run stopped with result code {out.result}")
+            raise SimulationFailed(f"golden run stopped with result code {out.result}")
         metrics.append(metrics_output(out, final))
     return metrics
-
-
-def _params(scenario):
-    from blis_jax.cli import engine_params
-
-    return engine_params(scenario)
 
 
 def compare(exp: GoldenExperiment, metrics: dict) -> list[str]:
@@ -174,15 +178,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write", metavar="DIR", help="write our outputs to DIR/<latency model>.json")
     parser.add_argument("--single", action="store_true", help="one run per experiment instead of batches")
     args = parser.parse_args(argv)
-    import tempfile
-
     failures = 0
     for kind in args.latency_model or sorted(REFERENCE_FILES):
         experiments = load_experiments(args.reference, kind)
         start = time.perf_counter()
-        with tempfile.TemporaryDirectory() as tmp:
-            metrics = run_experiments(experiments, tmp, batched=not args.single,
-                                      progress=lambda line: print(line, file=sys.stderr))
+        metrics = run_experiments(experiments, batched=not args.single,
+                                  progress=lambda line: print(line, file=sys.stderr))
         wall = time.perf_counter() - start
         print(f"{kind}: {len(experiments)} experiments in {wall:.1f} s")
         for exp, m in zip(experiments, metrics):

@@ -187,6 +187,32 @@ def test_load_run_resolves_the_replay_arguments_of_case_json(slice_folder):
         real_traces.load_run(slice_folder, "fits/trained-physics-iter29.yaml", prefix_mode="whole")
 
 
+def test_replay_args_are_read_through_the_table_of_known_flags(slice_folder):
+    case = json.loads((slice_folder / "case.json").read_text())
+    fields = real_traces.replay_fields(case, slice_folder)
+    assert fields == {"deployment.model": "meta-llama/Llama-2-7b-hf", "deployment.hardware": "H100", "deployment.tp": 1,
+                      "deployment.latency_model": "trained-physics", "engine.max_num_seqs": 128,
+                      "engine.max_num_batched_tokens": 2048, "deployment.total_kv_blocks": 7463,
+                      "workload.header": slice_folder / "trace.yaml", "workload.data": slice_folder / "trace.csv"}
+    for args, message in (([*case["replay_args"], "--seed", "7"], r"replay_args: unexpected flag '--seed'"),
+                          (["--tp", "one"], r"replay_args: --tp 'one' is not an integer"),
+                          (["--model", "m", "--tp"], r"replay_args: --tp has no value"),
+                          (["--model", "m"], r"replay_args: --trace-header is missing")):
+        with pytest.raises(ConfigError, match=message):
+            real_traces.replay_fields({**case, "replay_args": args}, slice_folder)
+
+
+def test_a_bad_replay_value_is_reported_with_its_flag(slice_folder, tmp_path):
+    folder = tmp_path / "bad-tp"
+    shutil.copytree(slice_folder, folder)
+    case = json.loads((folder / "case.json").read_text())
+    args = case["replay_args"]
+    args[args.index("--tp") + 1] = "-1"
+    (folder / "case.json").write_text(json.dumps(case))
+    with pytest.raises(ConfigError, match=r"^real run bad-tp: --tp -1: the tensor-parallel degree must be >= 1"):
+        real_traces.load_run(folder, "fits/trained-physics-iter29.yaml")
+
+
 # ---------------------------------------------------------------------------------- replay
 
 
@@ -194,13 +220,12 @@ def test_load_run_resolves_the_replay_arguments_of_case_json(slice_folder):
 def test_replaying_the_slice_pairs_every_request_with_the_engine_times(slice_folder, raw):
     """The benchmark's lane and `simulate_instance` (what `replay` runs) give the same times;
     the rows are numpy on those times and the raw CSV."""
-    from blis_jax.cli import engine_params
     from blis_jax.engine.simulate import simulate_instance
     from blis_jax.sweep.batch import run_lanes
 
     run = real_traces.load_run(slice_folder, "fits/trained-physics-iter29.yaml")
     s = run.scenario
-    direct = simulate_instance(run.requests, engine_params(s), s.latency_model, block_size=s.block_size)
+    direct = simulate_instance(run.requests, s.params, s.latency_model, block_size=s.block_size)
     [laned] = run_lanes([real_traces.lane(run)], lambda _, out: real_traces.sim_results(out, run.requests))
     assert np.array_equal(np.asarray(direct.ttft_us), laned.ttft_us)  # every request completed
     assert np.array_equal(np.asarray(direct.e2e_us), laned.e2e_us)
@@ -221,7 +246,7 @@ def test_a_real_run_is_a_fit_observation_scored_on_its_run_means(slice_folder, r
     assert p.id == run.name and p.model == "meta-llama/Llama-2-7b-hf"  # one model for --cv lomo
     assert p.obs.ttft_mean_ms == pytest.approx(raw["ttft"].mean(), rel=1e-12)
     assert p.obs.e2e_mean_ms == pytest.approx(raw["e2e"].mean(), rel=1e-12)
-    assert p.requests is run.requests and p.links is None
+    assert p.scenario is run.scenario and p.scenario.requests is run.requests and p.scenario.sessions is None
     assert real_traces.summary_id(run) == "20260217-155451"
 
 
@@ -248,7 +273,7 @@ def test_fit_evaluates_a_real_trace_on_its_replay_means(slice_folder, raw, tmp_p
     on the observed means taken here from the raw CSV."""
     import io
 
-    from blis_jax.cli import engine_params, main
+    from blis_jax.cli import main
     from blis_jax.engine.simulate import simulate_instance
 
     runs = tmp_path / "runs"
@@ -265,7 +290,7 @@ def test_fit_evaluates_a_real_trace_on_its_replay_means(slice_folder, raw, tmp_p
     assert row["observed"]["ttft_mean_ms"] == pytest.approx(raw["ttft"].mean(), rel=1e-12)
     run = real_traces.load_run(runs / "codegen-slice", "fits/trained-physics-iter29.yaml")
     s = run.scenario
-    direct = simulate_instance(run.requests, engine_params(s), s.latency_model, block_size=s.block_size)
+    direct = simulate_instance(run.requests, s.params, s.latency_model, block_size=s.block_size)
     sim_ttft, sim_e2e = np.asarray(direct.ttft_us).mean() / 1000, np.asarray(direct.e2e_us).mean() / 1000
     assert row["start"]["ttft_mean_ms"] == pytest.approx(sim_ttft, abs=1e-4)  # the report rounds to 4 digits
     assert row["start"]["e2e_mean_ms"] == pytest.approx(sim_e2e, abs=1e-4)

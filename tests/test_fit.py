@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from shared_data import REFERENCE, needs
 
-from blis_jax import cli
+from blis_jax.cli import main
 from blis_jax.config import load_coefficients
 from blis_jax.engine.simulate import simulate_traced
 from blis_jax.errors import ConfigError
@@ -35,6 +35,7 @@ from blis_jax.fit.observed import (
 )
 from blis_jax.fit.schedule import schedule_trace
 from blis_jax.latency import with_coefficients
+from blis_jax.scenario import Deployment, ScenarioConfig, resolve_deployment
 
 OBSERVED = REFERENCE / "observed" / "trainval15.json"
 needs_observed = needs(OBSERVED, "observed trainval15.json")
@@ -83,12 +84,11 @@ def truth(start):
 
 
 @pytest.fixture(scope="module")
-def synthetic(start, truth, tmp_path_factory):
+def synthetic(start, truth):
     """(prepared experiments with observed = simulated means at the true coefficients, data dict)."""
     theta, num_betas = start
     true, _ = truth
-    workdir = tmp_path_factory.mktemp("specs")
-    exps = F.prepare(parse_observed({"experiments": SYNTHETIC}).experiments, theta, num_betas, workdir)
+    exps = F.prepare(parse_observed({"experiments": SYNTHETIC}).experiments, theta, num_betas)
     ev, _ = F.evaluate(exps, true, F.Simulator(), with_trace=False)
     data = {"experiments": copy.deepcopy(SYNTHETIC)}
     for e, t, x in zip(data["experiments"], ev.ttft_ms, ev.e2e_ms):
@@ -151,6 +151,20 @@ def _one(**over):
 def test_bad_observed_data_names_the_field(data, field):
     with pytest.raises(ConfigError, match=field):
         parse_observed(data, "obs.json")
+
+
+def test_prepare_resolves_the_experiment_config_with_the_start_coefficients(start):
+    theta, nb = start
+    [p] = F.prepare(parse_observed({"experiments": [SYNTHETIC[0]]}).experiments, theta, nb)
+    s = p.scenario
+    assert (s.model_id, s.hardware, s.tp, s.total_kv_blocks, s.max_num_seqs, s.max_num_batched_tokens) == \
+        ("01-ai/Yi-34B", "H100", 2, 4000, 32, 512)
+    assert len(s.requests) == 120 and s.sessions is None and s.config.seed is None   # the spec's own seed
+    alpha, beta = F.split(theta, nb)
+    np.testing.assert_array_equal(np.asarray(s.latency_model.alpha), [*alpha, 0.0])
+    np.testing.assert_array_equal(np.asarray(s.latency_model.beta)[:nb], beta)
+    with pytest.raises(ConfigError, match=r"^observed experiment long-prompt: unknown GPU 'H999'"):
+        F.prepare(parse_observed(_one(config__hardware="H999")).experiments, theta, nb)
 
 
 def test_observed_file_errors(tmp_path):
@@ -229,7 +243,7 @@ def traced(synthetic, start):
     for p in synthetic[0]:
         sc = p.scenario
         model = with_coefficients(sc.latency_model, alpha=theta[:F.NUM_ALPHA], beta=theta[F.NUM_ALPHA:F.NUM_ALPHA + sc.latency_model.num_betas])
-        final, out, trace = simulate_traced(p.requests, p.links, p.params, model)
+        final, out, trace = simulate_traced(sc.requests, sc.sessions, sc.params, model)
         runs.append((out, schedule_trace(final, out, trace, model)))
     return runs
 
@@ -268,7 +282,7 @@ def test_first_token_lag_delays_ttft_and_e2e_only(synthetic, start, traced):
     sc = p.scenario
     model = with_coefficients(sc.latency_model, alpha=lagged[:F.NUM_ALPHA],
                               beta=lagged[F.NUM_ALPHA:F.NUM_ALPHA + sc.latency_model.num_betas])
-    final, out_lag, steps = simulate_traced(p.requests, p.links, p.params, model)
+    final, out_lag, steps = simulate_traced(sc.requests, sc.sessions, sc.params, model)
     lag_trace = schedule_trace(final, out_lag, steps, model)
     np.testing.assert_array_equal(lag_trace.start_us, trace.start_us)
     np.testing.assert_array_equal(lag_trace.duration_us, trace.duration_us)
@@ -355,7 +369,7 @@ def test_fit_recovers_known_coefficients_from_a_perturbed_start(synthetic, start
 
 def _run_cli(argv):
     out, err = io.StringIO(), io.StringIO()
-    code = cli.main(argv, stdout=out, stderr=err)
+    code = main(argv, stdout=out, stderr=err)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -378,9 +392,8 @@ def test_cli_fit_writes_a_loadable_coefficient_file_and_a_report(synthetic, tmp_
     assert set(prov["loss"]["per_experiment"]) == {"long-prompt", "long-output"}
     assert prov["command"].startswith("blis-jax fit --observed") and prov["blis_jax_version"]
     assert len(coeffs.alpha) == 3 and len(coeffs.beta) == 11   # no first-token lag: BLIS's layout
-    # `run --coefficients` resolves it into the latency model
-    args = cli.build_parser().parse_args(["run", "--coefficients", str(output)])
-    scenario = cli.resolve_scenario(args, cli.Diagnostics(io.StringIO()), horizon_us=None)
+    # a Deployment with the file (`run --coefficients`) resolves it into the latency model
+    scenario = resolve_deployment(ScenarioConfig(deployment=Deployment(coefficients=output)), horizon_us=None)
     np.testing.assert_array_equal(np.asarray(scenario.latency_model.alpha), list(coeffs.alpha) + [0.0])
     rep = json.loads((report / "report.json").read_text())
     assert [e["id"] for e in rep["experiments"]] == ["long-prompt", "long-output"]

@@ -39,9 +39,9 @@ def _pinned(kind: str) -> dict:
 @needs_blis_ref
 @pytest.mark.slow  # the default run checks experiment 67 through the CLI (next test)
 @pytest.mark.parametrize("kind", sorted(golden.REFERENCE_FILES))
-def test_small_experiment_matches_the_pins(kind, tmp_path):
+def test_small_experiment_matches_the_pins(kind):
     exps = _experiments(kind, SMALL[kind])
-    metrics = golden.run_experiments(exps, tmp_path, batched=True)
+    metrics = golden.run_experiments(exps, batched=True)
     pinned = _pinned(kind)
     for exp, m in zip(exps, metrics):
         assert m == pinned[exp.id]["metrics"], f"{exp.name}: output changed from golden/{kind}.json"
@@ -51,9 +51,9 @@ def test_small_experiment_matches_the_pins(kind, tmp_path):
 
 @needs_blis_ref
 @pytest.mark.slow  # the default run checks batched (pins test) and single (CLI test) against one pin
-def test_batched_runs_equal_single_runs(tmp_path):
+def test_batched_runs_equal_single_runs():
     exps = _experiments("trained-physics", ["66", "67"])
-    assert golden.run_experiments(exps, tmp_path, batched=True) == golden.run_experiments(exps, tmp_path, batched=False)
+    assert golden.run_experiments(exps, batched=True) == golden.run_experiments(exps, batched=False)
 
 
 @needs_blis_ref
@@ -83,9 +83,9 @@ def test_pins_cover_every_experiment():
 @needs_blis_ref
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(golden.REFERENCE_FILES))
-def test_every_experiment_reproduces_the_pins(kind, tmp_path):
+def test_every_experiment_reproduces_the_pins(kind):
     exps = _experiments(kind)
-    metrics = golden.run_experiments(exps, tmp_path, batched=True)
+    metrics = golden.run_experiments(exps, batched=True)
     pinned = _pinned(kind)
     for exp, m in zip(exps, metrics):
         assert m == pinned[exp.id]["metrics"], exp.name

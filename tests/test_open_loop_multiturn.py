@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from blis_jax import cli
+from blis_jax.cli import build_parser
+from blis_jax.cli import fit as fit_commands
+from blis_jax.cli.app import UsageError
 from blis_jax.config import load_coefficients
 from blis_jax.errors import ConfigError
-from blis_jax.fit import commands as fit_commands
 from blis_jax.fit import fit as F
 from blis_jax.fit.observed import parse_observed
 from blis_jax.workload.convert import convert_inference_perf
@@ -190,25 +191,26 @@ def test_fit_load_generator_rewrites_only_multi_turn_inference_perf():
     assert fit_commands.DEFAULTS["load_generator"] == "blis"
 
 
-def test_fit_prepare_resolves_open_loop_experiments(tmp_path):
+def test_fit_prepare_resolves_open_loop_experiments():
     theta, nb = F.start_vector(load_coefficients())
     obs = parse_observed({"experiments": [_experiment(_raw(mode=None, stages=((6.0, 20.0),)))]}).experiments
-    (closed,) = F.prepare(obs, theta, nb, tmp_path)
-    (opened,) = F.prepare(obs, theta, nb, tmp_path, load_generator="open-loop")
-    assert closed.links is not None and opened.links is None       # sessions only in BLIS's encoding
+    (closed,) = F.prepare(obs, theta, nb)
+    (opened,) = F.prepare(obs, theta, nb, load_generator="open-loop")
+    closed, opened = closed.scenario, opened.scenario
+    assert closed.sessions is not None and opened.sessions is None   # sessions only in BLIS's encoding
     assert len(closed.requests) == 120                             # every round, arrivals set by the engine
     assert abs(len(opened.requests) - 120) < 4 * math.sqrt(120)
     assert set(opened.requests.input_len) == {SYS + Q} and opened.requests.round_index.max() > 0
 
 
 def test_fit_flag_parses_and_is_in_the_command_line():
-    parser = cli.build_parser()
+    parser = build_parser()
     args = parser.parse_args(["fit", "--observed", "o.json"])
     assert args.load_generator == "blis"
     assert "--load-generator blis" in fit_commands._command_line(args)
     args = parser.parse_args(["fit", "--observed", "o.json", "--load-generator", "open-loop"])
     assert "--load-generator open-loop" in fit_commands._command_line(args)
-    with pytest.raises(cli.UsageError, match=r"--load-generator: invalid choice: 'closed'"):
+    with pytest.raises(UsageError, match=r"--load-generator: invalid choice: 'closed'"):
         parser.parse_args(["fit", "--observed", "o.json", "--load-generator", "closed"])
 
 
@@ -216,7 +218,7 @@ def test_fit_flag_parses_and_is_in_the_command_line():
 # ------------------------------------------------------------------------------- fit: output lengths
 
 
-def test_fit_observed_output_lengths_replace_the_configured_length(tmp_path):
+def test_fit_observed_output_lengths_replace_the_configured_length():
     raw = _experiment(_raw(mode=None, stages=((6.0, 20.0),)))
     raw["observed"]["output_len_mean"] = 16.4
     (obs,) = parse_observed({"experiments": [raw]}).experiments
@@ -228,10 +230,11 @@ def test_fit_observed_output_lengths_replace_the_configured_length(tmp_path):
     assert workload["inference_perf"]["multi_turn_mode"] == "open-loop"
     assert obs.workload["inference_perf"]["shared_prefix"]["output_len"] == OUT     # input not modified
     theta, nb = F.start_vector(load_coefficients())
-    (configured,) = F.prepare([obs], theta, nb, tmp_path, load_generator="open-loop")
-    (observed,) = F.prepare([obs], theta, nb, tmp_path, load_generator="open-loop", output_lengths="observed")
-    assert set(configured.requests.output_len) == {OUT} and set(observed.requests.output_len) == {16}
-    np.testing.assert_array_equal(configured.requests.arrival_us, observed.requests.arrival_us)
+    (configured,) = F.prepare([obs], theta, nb, load_generator="open-loop")
+    (observed,) = F.prepare([obs], theta, nb, load_generator="open-loop", output_lengths="observed")
+    configured, observed = configured.scenario.requests, observed.scenario.requests
+    assert set(configured.output_len) == {OUT} and set(observed.output_len) == {16}
+    np.testing.assert_array_equal(configured.arrival_us, observed.arrival_us)
 
 
 def test_fit_observed_output_lengths_need_the_observed_mean():
@@ -254,7 +257,7 @@ def test_fit_observed_output_lengths_need_the_observed_mean():
 
 
 def test_fit_output_lengths_flag():
-    parser = cli.build_parser()
+    parser = build_parser()
     args = parser.parse_args(["fit", "--observed", "o.json"])
     assert args.output_lengths == "configured" == fit_commands.DEFAULTS["output_lengths"]
     assert fit_commands.OUTPUT_LENGTHS == F.OUTPUT_LENGTHS

@@ -15,10 +15,11 @@ import re
 import numpy as np
 import pytest
 
-from blis_jax import cli
+from blis_jax.cli import main
 from blis_jax.errors import ConfigError
 from blis_jax.fit import sensitivity as S
-from blis_jax.fit import sensitivity_commands as C
+from blis_jax.scenario import Deployment, EngineSettings, ScenarioConfig, SpecWorkload, SyntheticWorkload, resolve
+from blis_jax.workload.distribution import OUTPUT_DEFAULT, PROMPT_DEFAULT, GaussianLength
 
 SHAPE = ["--prompt-tokens", "512", "--prompt-tokens-stdev", "256", "--output-tokens", "64",
          "--output-tokens-stdev", "32", "--total-kv-blocks", "3800", "--max-num-seqs", "60"]
@@ -29,17 +30,25 @@ STEP = 0.05
 COEFFS = ("alpha0", "alpha1", "alpha2", "beta0", "beta2", "beta4", "beta6", "beta9")   # b1a, b3, b5, b7, b2b
 
 
-def _resolve(*flags):
-    args = cli.build_parser().parse_args(["sensitivity", *SHAPE, *flags])
-    run, settings, _ = C.resolve(args, cli.Diagnostics(io.StringIO()))
-    return run, settings, args
+def _config(num_requests: int, rate: float, **deployment) -> ScenarioConfig:
+    """The scenario of `blis-jax sensitivity` with SHAPE's flags, --num-requests and --rate."""
+    return ScenarioConfig(
+        deployment=Deployment(total_kv_blocks=3800, **deployment), engine=EngineSettings(max_num_seqs=60),
+        workload=SyntheticWorkload(
+            rate=rate, num_requests=num_requests,
+            prompt=GaussianLength(mean=512.0, std=256.0, min=PROMPT_DEFAULT.min, max=PROMPT_DEFAULT.max),
+            output=GaussianLength(mean=64.0, std=32.0, min=OUTPUT_DEFAULT.min, max=OUTPUT_DEFAULT.max)))
+
+
+def _resolve(num_requests: int, rate: float, **deployment):
+    return resolve(_config(num_requests, rate, **deployment))
 
 
 @pytest.fixture(scope="module")
 def smooth():
     """200 requests at 0.8 req/s: every request arrives at an idle instance (its E2E is
     ~0.47 s), so there is no queueing and the schedule barely moves with the coefficients."""
-    run, settings, _ = _resolve("--num-requests", "200", "--rate", "0.8")
+    run = _resolve(200, 0.8)
     base = S.simulate(run)
     table = S.sensitivities(run, S.METRICS, COEFFS, check=True, step=STEP, base=base)
     return base, table
@@ -80,9 +89,7 @@ def test_first_token_lag_derivative_matches_whole_runs():
     from blis_jax.config import load_coefficients
 
     iter29 = load_coefficients()
-    alpha = ",".join(repr(a) for a in iter29.alpha) + ",0.5"
-    run, _, _ = _resolve("--num-requests", "200", "--rate", "0.8", "--alpha-coeffs", alpha,
-                         "--beta-coeffs", ",".join(repr(b) for b in iter29.beta))
+    run = _resolve(200, 0.8, alpha=(*iter29.alpha, 0.5), beta=tuple(iter29.beta))
     table = S.sensitivities(run, ("ttft_mean", "e2e_mean", "itl_mean"), ("alpha3",), check=True, step=STEP)
     ttft, e2e, itl = (table.entry(m, "alpha3") for m in ("ttft_mean", "e2e_mean", "itl_mean"))
     assert ttft.check_method == S.METHOD_CENTRAL and ttft.derivative > 1.0   # ms per unit: about a step
@@ -115,7 +122,7 @@ def test_e2e_and_itl_under_overlap(smooth):
     # 1.5 req/s: 16 % of the arrivals find a step in progress. E2E and ITL still follow the
     # fixed-schedule derivative (measured ≤ 1.1 % for these); TTFT of those arrivals does not
     # (a changed coefficient also moves which arrivals wait), see the module docstring.
-    run, _, _ = _resolve("--num-requests", "200", "--rate", "1.5")
+    run = _resolve(200, 1.5)
     # beta9 (b2b) left out: its elasticity here is 0.006, so the whole-run difference is dominated
     # by µs truncation (5.1 % off on this stop's Go-stream workload, ≤ 1.1 % on the earlier one)
     wrt = ("alpha2", "beta2", "beta4")
@@ -151,12 +158,29 @@ def test_metric_and_input_names():
             S.parse_wrt(text, 10)
 
 
+def test_settings_are_varied_by_resolving_the_config_again():
+    # no simulation: the varied scenarios as `blis-jax run` would resolve the changed flags
+    config = _config(20, 0.8)
+    base = resolve(config)
+    assert S.base_settings(base) == {"total_kv_blocks": 3800, "max_num_seqs": 60, "max_num_batched_tokens": 2048,
+                                     "rate": 0.8}
+    vary = S.vary_config(config)
+    faster = vary("rate", 1.6)
+    assert faster.config.workload.rate == 1.6 and len(faster.requests) == 20
+    assert np.diff(faster.requests.arrival_us).mean() == pytest.approx(np.diff(base.requests.arrival_us).mean() / 2,
+                                                                       rel=1e-5)
+    assert (vary("max_num_seqs", 63).max_num_seqs, vary("total_kv_blocks", 3990).total_kv_blocks) == (63, 3990)
+    assert int(S.vary_params(base)("max_num_batched_tokens", 2150).params.max_num_batched_tokens) == 2150
+    with pytest.raises(ConfigError, match=r"--wrt rate: the workload has no workload\.rate to vary"):
+        S.vary_config(config.replace(workload=SpecWorkload(spec={"version": "2"})))("rate", 1.0)
+
+
 # ------------------------------------------------------------------ the CLI
 
 
 def _run_cli(argv):
     out, err = io.StringIO(), io.StringIO()
-    code = cli.main(argv, stdout=out, stderr=err)
+    code = main(argv, stdout=out, stderr=err)
     return code, out.getvalue(), err.getvalue()
 
 

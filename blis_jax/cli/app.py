@@ -420,27 +420,27 @@ def cmd_plan(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
 
 
 def _add_fit_parser(sub) -> None:
-    from blis_jax.fit import commands  # flags and logic live in blis_jax/fit/
+    from blis_jax.cli import fit  # flags and output in blis_jax/cli/fit.py, logic in blis_jax/fit/
 
-    commands.add_parser(sub)
+    fit.add_parser(sub)
 
 
 def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    from blis_jax.fit import commands
+    from blis_jax.cli import fit
 
-    return commands.cmd_fit(args, stdout, stderr, diag)
+    return fit.cmd_fit(args, stdout, stderr, diag)
 
 
 def _add_sensitivity_parser(sub) -> None:
-    from blis_jax.fit import sensitivity_commands  # flags and logic live in blis_jax/fit/
+    from blis_jax.cli import sensitivity  # flags and output in blis_jax/cli/, logic in blis_jax/fit/
 
-    sensitivity_commands.add_parser(sub)
+    sensitivity.add_parser(sub)
 
 
 def cmd_sensitivity(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    from blis_jax.fit import sensitivity_commands
+    from blis_jax.cli import sensitivity
 
-    return sensitivity_commands.cmd_sensitivity(args, stdout, stderr, diag)
+    return sensitivity.cmd_sensitivity(args, stdout, stderr, diag)
 
 
 def _add_observe_parser(sub) -> None:

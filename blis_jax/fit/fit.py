@@ -34,22 +34,22 @@ slice index of the YAML list) and BLIS's names ``b1a b2a b3 b4 b5 b6 b7 b8 b1b b
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import yaml
 
 from blis_jax.config.coefficients import NUM_ALPHA, Coefficients, padded_alpha
-from blis_jax.errors import ConfigError
+from blis_jax.errors import ConfigError, SimulationFailed
 from blis_jax.fit.observed import ObservedExperiment, loss_terms
+from blis_jax.naming import naming
+from blis_jax.scenario import Deployment, EngineSettings, ResolvedScenario, ScenarioConfig, SpecWorkload, resolve
+from blis_jax.scenario.resolve import Warn
 
 NUM_BETA = 11
 LAG = 3   # θ index of α₃, the first-token lag
@@ -182,13 +182,11 @@ def split(theta: np.ndarray, num_betas: int) -> tuple[list[float], list[float]]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Prepared:
-    """An observed experiment resolved exactly as `blis-jax run` would resolve its config."""
+    """An observed experiment and its scenario, resolved as `blis-jax run` would resolve its
+    config (the coefficients of the scenario are the start's; `simulate` replaces them)."""
 
     obs: ObservedExperiment
-    scenario: object
-    requests: object
-    links: object
-    params: object
+    scenario: ResolvedScenario
 
     @property
     def id(self) -> str:
@@ -201,6 +199,14 @@ class Prepared:
 
 def _fmt(values) -> str:
     return ",".join(repr(float(v)) for v in values)
+
+
+# An observed experiment's fields by their name in the observed file, for resolution errors.
+OBSERVED_FIELD_NAMES = {
+    "deployment.model": "config.model", "deployment.hardware": "config.hardware", "deployment.tp": "config.tp",
+    "deployment.total_kv_blocks": "config.total_kv_blocks", "engine.max_num_seqs": "config.max_num_seqs",
+    "engine.max_num_batched_tokens": "config.max_num_batched_tokens", "workload.spec": "config.workload",
+}
 
 
 def observed_workload(workload: dict, load_generator: str = "blis", output_len: int | None = None) -> dict:
@@ -241,30 +247,32 @@ def simulated_output_len(obs: ObservedExperiment, output_lengths: str) -> int | 
     return max(1, round(obs.output_len_mean))
 
 
-def prepare(experiments: Sequence[ObservedExperiment], theta: np.ndarray, num_betas: int,
-            workdir: str | Path, load_generator: str = "blis",
-            output_lengths: str = "configured") -> list[Prepared]:
-    """Resolve each experiment (workload spec written to `workdir`) with the start coefficients;
-    `load_generator` as in `observed_workload`, `output_lengths` as in `simulated_output_len`."""
-    from blis_jax import cli, golden
+def scenario_config(obs: ObservedExperiment, workload: dict, alpha, beta) -> ScenarioConfig:
+    """The scenario of an observed experiment with `workload` (see `observed_workload`) and
+    trained-physics coefficients (alpha, beta); no seed: the workload spec's own is used."""
+    return ScenarioConfig(
+        deployment=Deployment(model=obs.model, hardware=obs.hardware, tp=obs.tp, latency_model="trained-physics",
+                              alpha=tuple(alpha), beta=tuple(beta), total_kv_blocks=obs.total_kv_blocks),
+        engine=EngineSettings(max_num_seqs=obs.max_num_seqs, max_num_batched_tokens=obs.max_num_batched_tokens),
+        workload=SpecWorkload(spec=workload))
 
+
+def prepare(experiments: Sequence[ObservedExperiment], theta: np.ndarray, num_betas: int,
+            load_generator: str = "blis", output_lengths: str = "configured", *,
+            warn: Warn | None = None) -> list[Prepared]:
+    """Resolve each experiment with the start coefficients; `load_generator` as in
+    `observed_workload`, `output_lengths` as in `simulated_output_len`, `warn` as in
+    `scenario.resolve`. Errors name the experiment and its field in the observed file."""
     alpha, beta = split(theta, num_betas)
     out = []
-    for i, o in enumerate(experiments):
+    for o in experiments:
         workload = observed_workload(o.workload, load_generator, simulated_output_len(o, output_lengths))
-        gexp = golden.GoldenExperiment(id=o.id, latency_model="trained-physics", model=o.model, hardware=o.hardware,
-                                       tp=o.tp, total_kv_blocks=o.total_kv_blocks, max_num_seqs=o.max_num_seqs,
-                                       max_num_batched_tokens=o.max_num_batched_tokens, workload=workload,
-                                       expected={})
-        spec = Path(workdir) / f"observed-{i}.yaml"
-        spec.write_text(yaml.safe_dump(workload, sort_keys=False))
-        flags = golden.run_flags(gexp, spec) + ["--alpha-coeffs", _fmt(alpha), "--beta-coeffs", _fmt(beta)]
         try:
-            args = cli.build_parser().parse_args(flags)
-            scenario, requests, links = cli.resolve_run_sessions(args, cli.Diagnostics(io.StringIO()))
-        except (ConfigError, cli.UsageError) as e:
+            with naming(OBSERVED_FIELD_NAMES):
+                scenario = resolve(scenario_config(o, workload, alpha, beta), warn=warn)
+        except ConfigError as e:
             raise ConfigError(f"observed experiment {o.id}: {e}") from None
-        out.append(Prepared(o, scenario, requests, links, cli.engine_params(scenario)))
+        out.append(Prepared(o, scenario))
     return out
 
 
@@ -282,18 +290,16 @@ def simulate(p: Prepared, theta: np.ndarray, *, with_trace: bool = True) -> SimR
     """Simulate one experiment at θ; the means are those `blis-jax run` reports."""
     from blis_jax.engine.simulate import simulate_traced
     from blis_jax.fit.schedule import schedule_trace
-    from blis_jax.latency import with_coefficients
     from blis_jax.metrics import metrics_output
 
-    sc = p.scenario
-    nb = sc.latency_model.num_betas
-    model = with_coefficients(sc.latency_model, alpha=np.asarray(theta[:NUM_ALPHA], np.float64),
-                              beta=np.asarray(theta[NUM_ALPHA:NUM_ALPHA + nb], np.float64))
+    nb = p.scenario.latency_model.num_betas
+    sc = p.scenario.with_coefficients(alpha=np.asarray(theta[:NUM_ALPHA], np.float64),
+                                      beta=np.asarray(theta[NUM_ALPHA:NUM_ALPHA + nb], np.float64))
+    model = sc.latency_model
     t0 = time.perf_counter()
-    final, out, trace = simulate_traced(p.requests, p.links, p.params, model, block_size=sc.block_size,
+    final, out, trace = simulate_traced(sc.requests, sc.sessions, sc.params, model, block_size=sc.block_size,
                                         scheduler=sc.scheduler, preemption_policy=sc.preemption_policy)
     if out.result != 0:
-        from blis_jax.cli import SimulationFailed
         from blis_jax.engine import results as result_codes
 
         raise SimulationFailed(f"experiment {p.id}: the engine stopped early ({result_codes.describe(out.result)})")

@@ -4,8 +4,9 @@ request by request, with what the server measured.
 A *run folder* (``../shared/reference/observed/requests/<run>/``, see its README) holds a TraceV2
 (`trace.yaml` + `trace.csv`: observed send time, prompt and output length, first/last chunk time,
 status per request) and `case.json` (the engine config as `replay_args`, the load stages, the
-observed summary). `load_run` turns one into the same scenario `blis-jax replay` builds from those
-flags (through `cli.resolve_scenario`) plus the requests; `score_run` pairs the simulated requests
+observed summary). `load_run` turns one into the scenario `blis-jax replay` builds from those
+flags (`scenario_config` reads them through a table of the flags the cases use, `REPLAY_FLAGS`),
+with the requests grouped per prefix mode; `score_run` pairs the simulated requests
 with the observed ones through `calibrate.pair_records` and `calibrate.compare`, so the figures
 are those `blis-jax calibrate` reports, whole run and per load stage (`client_id` = ``stage-k``).
 
@@ -28,7 +29,6 @@ loss_terms`), with both means over the same paired requests.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,6 +39,9 @@ import numpy as np
 from blis_jax import calibrate
 from blis_jax.errors import ConfigError
 from blis_jax.fit.observed import loss_terms
+from blis_jax.naming import naming
+from blis_jax.scenario import Deployment, EngineSettings, ResolvedScenario, ScenarioConfig, TraceWorkload
+from blis_jax.scenario.resolve import Warn, replay_horizon, resolve_deployment
 from blis_jax.workload.requests import NO_PREFIX_GROUP, RequestSet
 
 PREFIX_MODES = ("prompt", "system", "none")
@@ -46,20 +49,41 @@ STATS = ("mean", "p50", "p90", "p99")
 ALL = "all"  # the whole-run row, beside stage-0, stage-1, ...
 
 
+# case.json `replay_args`: the `blis-jax replay` flags the cases use → (configuration field,
+# value type). The trace files are the case's own (relative to its folder); --results-path is
+# dropped (nothing is written).
+REPLAY_FLAGS: dict[str, tuple[str, type]] = {
+    "--model": ("deployment.model", str),
+    "--hardware": ("deployment.hardware", str),
+    "--tp": ("deployment.tp", int),
+    "--latency-model": ("deployment.latency_model", str),
+    "--max-num-seqs": ("engine.max_num_seqs", int),
+    "--max-num-batched-tokens": ("engine.max_num_batched_tokens", int),
+    "--total-kv-blocks": ("deployment.total_kv_blocks", int),
+    "--trace-header": ("workload.header", Path),
+    "--trace-data": ("workload.data", Path),
+    "--results-path": ("", str),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class RealRun:
-    """One real run ready to replay: the resolved scenario, the requests as simulated (prefix
-    groups per `prefix_mode`) and the observed records."""
+    """One real run ready to replay: the resolved replay scenario (its requests carry the prefix
+    groups of `prefix_mode`), the trace header as recorded and the observed records."""
 
     name: str
     folder: Path
     case: Mapping[str, Any]
-    header: Any              # the trace's TraceHeader
-    scenario: Any            # cli.Scenario
-    requests: RequestSet     # what is simulated
+    header: Any              # the trace's TraceHeader, as recorded
+    scenario: ResolvedScenario
     observed: calibrate.ObservedRecords
     stage: np.ndarray        # str[N] load stage of each record (client_id), record order
     prefix_mode: str
+
+    @property
+    def requests(self) -> RequestSet:
+        """What is simulated: the trace's requests with the prefix groups of `prefix_mode`."""
+        return self.scenario.requests
 
     @property
     def overloaded(self) -> bool:
@@ -132,10 +156,56 @@ def with_prefix_groups(requests: RequestSet, case: Mapping[str, Any], mode: str)
         prefix_len=np.where(grouped, prefix, 0), prefix_group_names=tuple(f"{mode}-{g}" for g in used))
 
 
-def load_run(folder: str | Path, coefficients: str | Path, *, prefix_mode: str = "prompt") -> RealRun:
+def replay_fields(case: Mapping[str, Any], folder: Path) -> dict[str, Any]:
+    """case.json's `replay_args` as {configuration field: value} (`REPLAY_FLAGS`); the trace
+    paths are made relative to `folder`."""
+    where = f"{folder / 'case.json'} replay_args"
+    argv = case.get("replay_args")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise ConfigError(f"{where}: expected a list of `blis-jax replay` flags and values")
+    fields: dict[str, Any] = {}
+    for i in range(0, len(argv), 2):
+        flag = argv[i]
+        if flag not in REPLAY_FLAGS:
+            raise ConfigError(f"{where}: unexpected flag {flag!r}; the real-trace cases use "
+                              f"{', '.join(REPLAY_FLAGS)}")
+        if i + 1 >= len(argv):
+            raise ConfigError(f"{where}: {flag} has no value")
+        field, kind = REPLAY_FLAGS[flag]
+        text = argv[i + 1]
+        if not field:
+            continue
+        if kind is int:
+            try:
+                value: Any = int(text)
+            except ValueError:
+                raise ConfigError(f"{where}: {flag} {text!r} is not an integer") from None
+        else:
+            value = folder / text if kind is Path else text
+        fields[field] = value
+    for field, flag in (("workload.header", "--trace-header"), ("workload.data", "--trace-data")):
+        if field not in fields:
+            raise ConfigError(f"{where}: {flag} is missing")
+    return fields
+
+
+def _section(fields: Mapping[str, Any], section: str) -> dict[str, Any]:
+    return {path.split(".", 1)[1]: value for path, value in fields.items() if path.startswith(section + ".")}
+
+
+def scenario_config(case: Mapping[str, Any], folder: str | Path, coefficients: str | Path) -> ScenarioConfig:
+    """The scenario of `blis-jax replay <case.json replay_args> --coefficients FILE` run in `folder`."""
+    fields = replay_fields(case, Path(folder))
+    return ScenarioConfig(deployment=Deployment(**_section(fields, "deployment"), coefficients=coefficients),
+                          engine=EngineSettings(**_section(fields, "engine")),
+                          workload=TraceWorkload(**_section(fields, "workload")))
+
+
+def load_run(folder: str | Path, coefficients: str | Path, *, prefix_mode: str = "prompt",
+             warn: Warn | None = None) -> RealRun:
     """The run's scenario as `blis-jax replay <case.json replay_args> --coefficients FILE`
-    resolves it, with the requests grouped per `prefix_mode`."""
-    from blis_jax import cli
+    resolves it, with the requests grouped per `prefix_mode` (`warn` as in `scenario.resolve`).
+    Configuration errors name case.json's flags."""
     from blis_jax.workload.tracev2 import read_trace
 
     folder = Path(folder)
@@ -143,19 +213,19 @@ def load_run(folder: str | Path, coefficients: str | Path, *, prefix_mode: str =
         case = json.loads((folder / "case.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{folder / 'case.json'}: cannot read ({e})") from e
-    argv = list(case["replay_args"])
-    for flag in ("--trace-header", "--trace-data"):
-        argv[argv.index(flag) + 1] = str(folder / argv[argv.index(flag) + 1])
-    if "--results-path" in argv:  # nothing is written
-        i = argv.index("--results-path")
-        del argv[i:i + 2]
-    args = cli.build_parser().parse_args(["replay", *argv, "--coefficients", str(coefficients)])
-    header, requests = read_trace(args.trace_header, args.trace_data)
+    try:
+        with naming({field: flag for flag, (field, _) in REPLAY_FLAGS.items() if field}):
+            config = scenario_config(case, folder, coefficients)
+            header, requests = read_trace(config.workload.header, config.workload.data)
+            simulated = with_prefix_groups(requests, case, prefix_mode)
+            deployment = resolve_deployment(config, horizon_us=replay_horizon(config.horizon_us, simulated), warn=warn)
+    except ConfigError as e:
+        raise ConfigError(f"real run {folder.name}: {e}") from None
     observed = calibrate.observed_from_trace(requests, source=f"{folder / 'trace.csv'}")
-    simulated = with_prefix_groups(requests, case, prefix_mode)
-    scenario = cli.resolve_scenario(args, cli.Diagnostics(io.StringIO()),
-                                    horizon_us=cli.replay_horizon(args, simulated))
-    return RealRun(name=folder.name, folder=folder, case=case, header=header, scenario=scenario, requests=simulated,
+    # as `replay` resolves the trace (scenario.resolve), with the grouped requests
+    scenario = dataclasses.replace(deployment, requests=simulated, header=dataclasses.replace(header, mode="replayed"),
+                                   goodput_targets=header.goodput_slo_targets)
+    return RealRun(name=folder.name, folder=folder, case=case, header=header, scenario=scenario,
                    observed=observed, stage=np.asarray(requests.client_id, dtype=str), prefix_mode=prefix_mode)
 
 
@@ -172,11 +242,10 @@ def export_trace(run: RealRun, prefix: str | Path) -> tuple[Path, Path]:
 def lane(run: RealRun):
     """The run as a lane of the sweep's batch runner (`sweep.batch.run_lanes`): the engine
     `simulate_instance` runs for `replay`, with the running batch sized at max-num-seqs."""
-    from blis_jax.cli import engine_params
     from blis_jax.sweep.lane import InstanceLane
 
     s = run.scenario
-    return InstanceLane(requests=run.requests, params=engine_params(s), model=s.latency_model,
+    return InstanceLane(requests=s.requests, params=s.params, model=s.latency_model,
                         block_size=s.block_size, scheduler=s.scheduler, preemption_policy=s.preemption_policy,
                         batch_start=None)
 
@@ -283,7 +352,6 @@ def fit_observation(run: RealRun):
     whose loss term is the issue-22 loss (`real_trace_loss`: APE of the means over the paired
     requests, which are all of them when the run was not overloaded). An overloaded run's
     means cover only the requests that beat the client timeout, so it is refused."""
-    from blis_jax.cli import engine_params
     from blis_jax.fit.fit import Prepared
     from blis_jax.fit.observed import ObservedExperiment
 
@@ -297,7 +365,7 @@ def fit_observation(run: RealRun):
                              max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                              total_kv_blocks=s.total_kv_blocks, cpu_kv_blocks=int(c.get("cpu_kv_blocks", 0)),
                              workload={}, ttft_mean_ms=ttft, e2e_mean_ms=e2e, predictions={})
-    return Prepared(obs=obs, scenario=s, requests=run.requests, links=None, params=engine_params(s))
+    return Prepared(obs=obs, scenario=s)
 
 
 def summary_id(run: RealRun) -> str | None:

@@ -55,10 +55,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blis_jax.errors import ConfigError
+from blis_jax.errors import ConfigError, SimulationFailed
 from blis_jax.fit import fit as F
 from blis_jax.fit.local import predict_latencies_local, request_windows
 from blis_jax.fit.schedule import ScheduleTrace, schedule_trace
+from blis_jax.naming import name as field_name
+from blis_jax.scenario import ResolvedScenario, ScenarioConfig, SyntheticWorkload, resolve
+from blis_jax.scenario.resolve import Warn
 
 # --metrics name → (metrics_output key, unit)
 METRICS: dict[str, tuple[str, str]] = {
@@ -177,46 +180,59 @@ def input_label(name: str) -> str:
     return F.coefficient_label(k) if k is not None else name.replace("_", "-")
 
 
-# --------------------------------------------------------------------------- runs
+# --------------------------------------------------------------------------- scenarios
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Run:
-    """Everything one simulation needs: requests (and closed-loop links), engine settings,
-    latency model, and the static engine options."""
-
-    requests: object            # RequestSet
-    links: object | None        # SessionLinks or None
-    params: object              # EngineParams
-    model: object               # LatencyModel
-    block_size: int = 16
-    scheduler: str = "fcfs"
-    preemption_policy: str = "fcfs"
-
-    @property
-    def theta(self) -> np.ndarray:
-        """Flat coefficients [15]: the 4 α slots then the 11 beta slots (zero-padded)."""
-        return np.concatenate([np.asarray(self.model.alpha, np.float64), np.asarray(self.model.beta, np.float64)])
-
-    def with_theta(self, theta: np.ndarray) -> Run:
-        from blis_jax.latency import with_coefficients
-
-        theta = np.asarray(theta, np.float64)
-        return dataclasses.replace(self, model=with_coefficients(self.model, alpha=theta[:F.NUM_ALPHA],
-                                                                  beta=theta[F.NUM_ALPHA:]))
+def theta_of(scenario: ResolvedScenario) -> np.ndarray:
+    """Flat coefficients [15] of the scenario's latency model: the 4 α slots then the 11 beta
+    slots (zero-padded)."""
+    model = scenario.latency_model
+    return np.concatenate([np.asarray(model.alpha, np.float64), np.asarray(model.beta, np.float64)])
 
 
-Vary = Callable[[str, float], Run]   # (setting name, value) → the run with that setting changed
+def with_theta(scenario: ResolvedScenario, theta: np.ndarray) -> ResolvedScenario:
+    theta = np.asarray(theta, np.float64)
+    return scenario.with_coefficients(alpha=theta[:F.NUM_ALPHA], beta=theta[F.NUM_ALPHA:])
 
 
-def vary_params(run: Run) -> Vary:
-    """A `Vary` for the integer engine settings only (the engine parameters replaced as they
-    are; `blis-jax sensitivity` re-resolves the flags instead, as `run` would)."""
-    def vary(name: str, value: float) -> Run:
-        if name not in INTEGER_SETTINGS:
-            raise ConfigError(f"--wrt {name}: needs a way to regenerate the requests (a `vary` function)")
-        params = dataclasses.replace(run.params, **{name: jnp.asarray(int(value), jnp.int64)})
-        return dataclasses.replace(run, params=params)
+Vary = Callable[[str, float], ResolvedScenario]   # (setting name, value) → the scenario with that setting changed
+
+
+def base_settings(scenario: ResolvedScenario) -> dict[str, float]:
+    """The settings whose sensitivities can be taken, at the scenario's values: the integer
+    engine settings, and the rate of a synthetic workload."""
+    settings: dict[str, float] = {setting: getattr(scenario, setting) for setting in INTEGER_SETTINGS}
+    if isinstance(scenario.config.workload, SyntheticWorkload):
+        settings["rate"] = float(scenario.config.workload.rate)
+    return settings
+
+
+def vary_params(scenario: ResolvedScenario) -> Vary:
+    """A `Vary` for the integer engine settings only (the resolved values replaced as they are;
+    `vary_config` re-resolves the scenario instead, as `run` would)."""
+    def vary(setting: str, value: float) -> ResolvedScenario:
+        if setting not in INTEGER_SETTINGS:
+            raise ConfigError(f"--wrt {setting}: needs a way to regenerate the requests (a `vary` function)")
+        return dataclasses.replace(scenario, **{setting: int(value)})
+    return vary
+
+
+def vary_config(config: ScenarioConfig, *, warn: Warn | None = None) -> Vary:
+    """A `Vary` that resolves `config` again with one setting changed: a whole-run difference is
+    then a difference of two `blis-jax run` commands (`warn` as in `scenario.resolve`)."""
+    def vary(setting: str, value: float) -> ResolvedScenario:
+        if setting == "rate":
+            if not isinstance(config.workload, SyntheticWorkload):
+                raise ConfigError(f"--wrt rate: the workload has no {field_name('workload.rate')} to vary (a spec's "
+                                  "arrival rate is its aggregate_rate); drop rate from --wrt")
+            changed = config.replace(workload=dataclasses.replace(config.workload, rate=value))
+        elif setting == "total_kv_blocks":
+            changed = config.replace(deployment=dataclasses.replace(config.deployment, total_kv_blocks=int(value)))
+        elif setting in INTEGER_SETTINGS:
+            changed = config.replace(engine=dataclasses.replace(config.engine, **{setting: int(value)}))
+        else:
+            raise ConfigError(f"--wrt {setting}: not a setting; use {', '.join(SETTINGS)}")
+        return resolve(changed, warn=warn)
     return vary
 
 
@@ -224,7 +240,7 @@ def vary_params(run: Run) -> Vary:
 class Simulated:
     """One simulation: the requests that existed, outputs, the metrics `run` prints, the trace."""
 
-    run: Run
+    scenario: ResolvedScenario
     requests: object        # settled RequestSet (rows aligned with `out`)
     out: object             # SimOutput
     metrics: dict
@@ -232,19 +248,20 @@ class Simulated:
     first_step: np.ndarray  # int64 [N] first-token step per request row (−1: none)
 
 
-def simulate(run: Run) -> Simulated:
-    """Simulate `run` with the step trace (one compiled program for every re-simulation)."""
-    from blis_jax.cli import SimulationFailed
+def simulate(scenario: ResolvedScenario) -> Simulated:
+    """Simulate a single-instance scenario with the step trace (one compiled program for every
+    re-simulation)."""
     from blis_jax.engine import results as result_codes
     from blis_jax.engine.simulate import simulate_traced
     from blis_jax.metrics import metrics_output
 
-    final, out, raw = simulate_traced(run.requests, run.links, run.params, run.model, block_size=run.block_size,
-                                      scheduler=run.scheduler, preemption_policy=run.preemption_policy)
+    s = scenario
+    final, out, raw = simulate_traced(s.requests, s.sessions, s.params, s.latency_model, block_size=s.block_size,
+                                      scheduler=s.scheduler, preemption_policy=s.preemption_policy)
     if out.result != result_codes.OK:
         raise SimulationFailed(f"the engine stopped early ({result_codes.describe(out.result)})")
-    return Simulated(run=run, requests=final, out=out, metrics=metrics_output(out, final),
-                     trace=schedule_trace(final, out, raw, run.model), first_step=np.asarray(raw[3]))
+    return Simulated(scenario=s, requests=final, out=out, metrics=metrics_output(out, final),
+                     trace=schedule_trace(final, out, raw, s.latency_model), first_step=np.asarray(raw[3]))
 
 
 def metric_values(sim: Simulated, metrics: Sequence[str]) -> np.ndarray:
@@ -365,7 +382,7 @@ def forward_mode(sim: Simulated, metrics: Sequence[str]) -> tuple[np.ndarray, li
     """(Jacobian [M, 15] of the metrics with respect to θ by `jax.jacfwd` of the fixed-schedule
     model, notes). A note names any metric the model does not reproduce at the simulated θ."""
     f, notes = schedule_metrics(sim, metrics)
-    theta = jnp.asarray(sim.run.theta)
+    theta = jnp.asarray(theta_of(sim.scenario))
     # one compiled program for values and Jacobian: op-by-op dispatch compiles every small op
     values, jac = jax.jit(lambda t: (f(t), jax.jacfwd(f)(t)))(theta)
     model_values, jac = np.asarray(values), np.asarray(jac)
@@ -411,14 +428,14 @@ def coefficient_step(theta: np.ndarray, k: int, step: float, slope: np.ndarray |
 def coefficient_difference(base: Simulated, k: int, metrics: Sequence[str], step: float = DEFAULT_STEP,
                            slope: np.ndarray | None = None) -> Difference:
     """Finite difference of whole re-simulations with coefficient k moved (see `coefficient_step`)."""
-    theta = base.run.theta
+    theta = theta_of(base.scenario)
     values = metric_values(base, metrics)
     h, central = coefficient_step(theta, k, step, slope, values)
 
     def at(delta: float) -> np.ndarray:
         moved = theta.copy()
         moved[k] += delta
-        return metric_values(simulate(base.run.with_theta(moved)), metrics)
+        return metric_values(simulate(with_theta(base.scenario, moved)), metrics)
 
     if central:
         return Difference((at(h) - at(-h)) / (2 * h), h, METHOD_CENTRAL)
@@ -567,29 +584,28 @@ def check_model(model, wrt: Sequence[str]) -> None:
                       "settings only, e.g. --wrt rate,max-num-seqs")
 
 
-def sensitivities(run: Run, metrics: Sequence[str] = DEFAULT_METRICS, wrt: Sequence[str] | None = None, *,
+def sensitivities(run: ResolvedScenario, metrics: Sequence[str] = DEFAULT_METRICS, wrt: Sequence[str] | None = None, *,
                   settings: Mapping[str, float] | None = None, vary: Vary | None = None, check: bool = False,
                   step: float = DEFAULT_STEP, base: Simulated | None = None,
                   progress: Progress | None = None) -> Table:
-    """Derivatives of `metrics` (names of METRICS) of `run` with respect to `wrt` (names as
-    `parse_wrt` takes them; None: every coefficient). Settings need their base value in
-    `settings` and, for rate, a `vary` that regenerates the run (default `vary_params`).
+    """Derivatives of `metrics` (names of METRICS) of the scenario `run` (single instance) with
+    respect to `wrt` (names as `parse_wrt` takes them; None: every coefficient). Settings take
+    their base value from `settings`, else the scenario (`base_settings`), and are varied by
+    `vary` (default `vary_params`: integer settings only; `vary_config(run.config)` re-resolves
+    the scenario, rate included).
     `check` adds central differences of whole re-simulations for the coefficients. `base`
     reuses a simulation of `run`."""
     metrics = parse_metrics(",".join(metrics))                     # validated, canonical names
-    num_betas = run.model.num_betas
+    num_betas = run.latency_model.num_betas
     wrt = parse_wrt(None if wrt is None else ",".join(wrt), num_betas)
-    check_model(run.model, wrt)
+    check_model(run.latency_model, wrt)
     coeffs = [w for w in wrt if coefficient_index(w) is not None]
-    settings = dict(settings or {})
+    settings = {**base_settings(run), **(settings or {})}
     if vary is None:
         vary = vary_params(run)
     for w in wrt:
         if coefficient_index(w) is None and w not in settings:
-            if w in INTEGER_SETTINGS:
-                settings[w] = int(getattr(run.params, w))
-            else:
-                raise ConfigError(f"--wrt {w}: its base value is unknown for this run")
+            raise ConfigError(f"--wrt {w}: its base value is unknown for this run")
     if not (math.isfinite(step) and 0 < step < 1):
         raise ConfigError(f"--fd-step {step:g}: must be a fraction in (0, 1), e.g. 0.05")
 
@@ -598,9 +614,9 @@ def sensitivities(run: Run, metrics: Sequence[str] = DEFAULT_METRICS, wrt: Seque
         say("simulating the base run")
         base = simulate(run)
     simulated = metric_values(base, metrics)
-    theta = run.theta
+    theta = theta_of(run)
     jac, notes = forward_mode(base, metrics) if coeffs else (None, [])
-    if coeffs and base.run.links is not None and getattr(base.run.links, "num_sessions", 0):
+    if coeffs and base.scenario.sessions is not None and getattr(base.scenario.sessions, "num_sessions", 0):
         notes.append("closed-loop sessions: later rounds arrive when earlier ones complete; the forward-mode "
                      "derivatives hold those arrival times fixed")
 

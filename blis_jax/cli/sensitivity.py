@@ -1,22 +1,22 @@
 """`blis-jax sensitivity`: `run`'s scenario flags plus what to differentiate (the derivatives
-themselves are in fit/sensitivity.py)."""
+themselves are in blis_jax/fit/sensitivity.py)."""
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import math
 from typing import TextIO
 
+from blis_jax.cli import app
+from blis_jax.cli.scenario_flags import FLAG_OF_FIELD, scenario_config
 from blis_jax.errors import ConfigError
-from blis_jax.io_safety import atomic_output
 from blis_jax.fit import sensitivity as S
+from blis_jax.io_safety import atomic_output
+from blis_jax.naming import naming
+from blis_jax.scenario import ResolvedScenario, resolve
 
 
 def add_parser(sub) -> None:
-    from blis_jax import cli  # registered while cli builds its parser
-
     p = sub.add_parser(
         "sensitivity", allow_abbrev=False,
         help="derivatives of a run's metrics with respect to latency coefficients and settings",
@@ -25,8 +25,8 @@ def add_parser(sub) -> None:
                     "Coefficients: forward-mode differentiation of the run with its schedule held fixed. "
                     "--rate: central difference of whole simulations; integer settings (total-kv-blocks, "
                     "max-num-seqs, max-num-batched-tokens): one-sided difference of whole simulations.")
-    cli._add_run_flags(p)
-    cli._add_shared_flags(p)
+    app._add_run_flags(p)
+    app._add_shared_flags(p)
     g = p.add_argument_group("sensitivity")
     g.add_argument("--metrics", default=",".join(S.DEFAULT_METRICS), metavar="NAME,...",
                    help=f"metrics to differentiate: {', '.join(S.METRICS)} (default "
@@ -44,60 +44,45 @@ def add_parser(sub) -> None:
     g.add_argument("--output", default=None, metavar="FILE.json", help="also write the table as JSON")
 
 
-def _run_of(scenario, requests, links) -> S.Run:
-    from blis_jax import cli
+def _warn_once(diag):
+    """diag.warn, each message once: the re-resolved scenarios of the whole-run differences
+    repeat the base scenario's warnings."""
+    seen: set[str] = set()
 
-    return S.Run(requests=requests, links=links, params=cli.engine_params(scenario), model=scenario.latency_model,
-                 block_size=scenario.block_size, scheduler=scenario.scheduler,
-                 preemption_policy=scenario.preemption_policy)
-
-
-def resolve(args, diag) -> tuple[S.Run, dict, object]:
-    """(run, base settings, scenario) of `run`'s flags, exactly as `blis-jax run` resolves them."""
-    from blis_jax import cli
-
-    scenario, requests, links = cli.resolve_run_sessions(args, diag)
-    settings = {"total_kv_blocks": scenario.total_kv_blocks, "max_num_seqs": scenario.max_num_seqs,
-                "max_num_batched_tokens": scenario.max_num_batched_tokens}
-    if not args.workload_spec:
-        settings["rate"] = float(args.rate)
-    return _run_of(scenario, requests, links), settings, scenario
+    def warn(message: str) -> None:
+        if message not in seen:
+            seen.add(message)
+            diag.warn(message)
+    return warn
 
 
-def vary_flags(args) -> S.Vary:
-    """Re-resolve the flags with one setting changed: a whole-run difference is then a
-    difference of two `blis-jax run` commands."""
-    from blis_jax import cli
-
-    def vary(name: str, value: float) -> S.Run:
-        changed = argparse.Namespace(**{**vars(args), name: value})
-        scenario, requests, links = cli.resolve_run_sessions(changed, cli.Diagnostics(io.StringIO()))
-        return _run_of(scenario, requests, links)
-    return vary
+def resolve_flags(args, warn) -> ResolvedScenario:
+    """The scenario of `run`'s flags, exactly as `blis-jax run` resolves it."""
+    with naming(FLAG_OF_FIELD):
+        return resolve(scenario_config(args, seed_given=app._seed_given(args)), warn=warn)
 
 
 def _validate(args) -> tuple[tuple[str, ...], float]:
-    from blis_jax import cli
-
     metrics = S.parse_metrics(args.metrics)
     if not (math.isfinite(args.fd_step) and 0 < args.fd_step < 1):
         raise ConfigError(f"--fd-step {args.fd_step:g}: must be a fraction in (0, 1), e.g. 0.05")
     if args.num_instances != 1:
         raise ConfigError(f"--num-instances {args.num_instances}: sensitivity differentiates one instance; "
                           "use --num-instances 1")
-    cli._check_output_paths(args)
-    cli._check_output_file("--output", args.output)
+    app._check_output_paths(args)
+    app._check_output_file("--output", args.output)
     return metrics, float(args.fd_step)
 
 
 def cmd_sensitivity(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     metrics, step = _validate(args)
-    run, settings, scenario = resolve(args, diag)
+    warn = _warn_once(diag)
+    scenario = resolve_flags(args, warn)
     wrt = S.parse_wrt(args.wrt, scenario.latency_model.num_betas)   # the beta count decides the names
     if "rate" in wrt and args.workload_spec:
         raise ConfigError("--wrt rate: with --workload-spec the arrival rate is the spec's aggregate_rate, not "
                           "--rate; drop rate from --wrt (or use --workload/--rate)")
-    S.check_model(run.model, wrt)        # before the first simulation
+    S.check_model(scenario.latency_model, wrt)        # before the first simulation
     tty = bool(getattr(stderr, "isatty", lambda: False)())
 
     def say(line: str) -> None:
@@ -105,10 +90,11 @@ def cmd_sensitivity(args, stdout: TextIO, stderr: TextIO, diag) -> int:
             stderr.write(f"blis-jax sensitivity: {line}\n")
             stderr.flush()
 
-    say(f"simulating the base run ({len(run.requests)} requests)")
-    base = S.simulate(run)
-    table = S.sensitivities(run, metrics, wrt, settings=settings, vary=vary_flags(args), check=args.check,
-                            step=step, base=base, progress=say)
+    say(f"simulating the base run ({len(scenario.requests)} requests)")
+    base = S.simulate(scenario)
+    with naming(FLAG_OF_FIELD):   # a re-resolved scenario's errors name the flags
+        table = S.sensitivities(scenario, metrics, wrt, vary=S.vary_config(scenario.config, warn=warn),
+                                check=args.check, step=step, base=base, progress=say)
     _write_run_outputs(args, base)
     header = (f"sensitivities: {scenario.model_id}, {scenario.hardware}, TP {scenario.tp}, {scenario.latency_kind}; "
               f"{len(base.requests)} requests, {base.metrics['completed_requests']} completed\n\n")

@@ -1,11 +1,10 @@
-"""`blis-jax fit`: flags, validation and outputs (the fitting itself is in fit/fit.py)."""
+"""`blis-jax fit`: flags, validation and outputs (the fitting itself is in blis_jax/fit/)."""
 
 from __future__ import annotations
 
 import hashlib
 import math
 import shlex
-import tempfile
 from pathlib import Path
 from typing import TextIO
 
@@ -146,14 +145,14 @@ def _validate(args) -> None:
                               "create it first")
 
 
-def _real_runs(args, start_path: Path) -> list:
+def _real_runs(args, start_path: Path, warn) -> list:
     """The real runs of --real-traces that can be fitted (not overloaded), resolved with the
     start coefficients."""
     from blis_jax.fit import real_traces
 
     if args.real_traces is None:
         return []
-    runs = [real_traces.load_run(f, start_path, prefix_mode=args.real_prefix)
+    runs = [real_traces.load_run(f, start_path, prefix_mode=args.real_prefix, warn=warn)
             for f in real_traces.run_folders(args.real_traces)]
     return [r for r in runs if not r.overloaded]
 
@@ -180,7 +179,7 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     ids = None if args.experiments is None else [i.strip() for i in args.experiments.split(",") if i.strip()]
     selected = observed.select(ids) if observed is not None else []
     start_path = Path(args.start)
-    real = _real_runs(args, start_path)
+    real = _real_runs(args, start_path, diag.warn)
     if real:
         from blis_jax.fit import real_traces
 
@@ -207,9 +206,8 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     say(f"{len(selected)} experiment(s) and {len(real)} real trace(s), fitting "
         f"{', '.join(F.coefficient_label(k) for k in free)} "
         f"from {start_path}, load generator {args.load_generator}, {args.output_lengths} output lengths")
-    with tempfile.TemporaryDirectory(prefix="blis-jax-fit-") as work:
-        exps = F.prepare(selected, theta0, num_betas, work, load_generator=args.load_generator,
-                         output_lengths=args.output_lengths)
+    exps = F.prepare(selected, theta0, num_betas, load_generator=args.load_generator,
+                     output_lengths=args.output_lengths, warn=diag.warn)
     exps += [real_traces.fit_observation(r) for r in real]
     sim = F.Simulator(progress=say, keep=theta0)
     result = F.fit(exps, theta0, settings, sim, progress=say)
