@@ -98,16 +98,13 @@ def fixed_schedule_metrics(scenario: ScenarioConfig | ResolvedScenario,
                else f"{model.num_betas} betas select the max-form mode, which is not linear in beta")
         raise ConfigError(f"deployment.latency_model: coefficients can be differentiated for trained-physics with "
                           f"10 or 11 betas only ({why})")
-    run = sensitivity.Run(requests=resolved.requests, links=resolved.sessions, params=resolved.params, model=model,
-                          block_size=resolved.block_size, scheduler=resolved.scheduler,
-                          preemption_policy=resolved.preemption_policy)
-    sim = sensitivity.simulate(run)
+    sim = sensitivity.simulate(resolved)
     names = [short[m] for m in metrics]
     function, notes = sensitivity.schedule_metrics(sim, names)
     if resolved.sessions is not None and resolved.sessions.num_sessions:
         notes.append("closed-loop sessions: later rounds arrive when earlier ones complete; those arrival times "
                      "are held fixed")
-    theta = run.theta
+    theta = sensitivity.theta_of(resolved)
     return FixedScheduleMetrics(metrics=tuple(metrics), function=function, alpha=theta[:NUM_ALPHA].copy(),
                                 beta=theta[NUM_ALPHA:].copy(), values=sensitivity.metric_values(sim, names),
                                 notes=tuple(notes))
