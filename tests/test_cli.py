@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from blis_jax.cli import (
+from blis_jax.cli.app import (
     DEFAULT_MODEL,
     Diagnostics,
     build_parser,
@@ -371,9 +371,9 @@ def test_blis_aliases_and_defaults():
     # --num-requests / --timeout stay unset (a workload spec keeps its own values unless they are
     # given); distribution mode resolves them to BLIS's defaults
     assert (args.num_requests, args.timeout) == (None, None)
-    from blis_jax.cli import Diagnostics, run_workload
+    from blis_jax.cli.scenario_flags import workload as workload_of
 
-    workload = run_workload(args, Diagnostics(io.StringIO()))
+    workload = workload_of(args)
     assert (workload.num_requests, workload.timeout_s) == (100, 300.0)
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.long_prefill_token_threshold) == (256, 2048, 0)
     assert (args.scheduler, args.preemption_policy, args.workload, args.gpu_memory_utilization) == \

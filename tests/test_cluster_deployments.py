@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blis_jax.cli import build_parser, resolve_scenario
+from blis_jax.cli.app import build_parser, resolve_scenario
 from blis_jax.cluster.deployments import PoolDeployment, lane_params, largest_kv_blocks, stack_deployments
 from blis_jax.config import load_gpu, load_model
 from blis_jax.config.kv_capacity import auto_kv_blocks, kv_bytes_per_token

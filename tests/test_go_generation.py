@@ -17,6 +17,7 @@ import os
 import pytest
 
 from blis_jax import cli
+from blis_jax.cli.app import Diagnostics, resolve_command
 from blis_jax.workload.tracev2 import format_records
 from shared_data import BLIS_DIFF, needs_blis_diff  # noqa: E402
 
@@ -52,8 +53,8 @@ def generated_records(case_dir) -> list[dict]:
         k += 1
     # Flags of features blis-jax lacks (node pools, LoRA, offload, ...) do not touch generation.
     args, _unsupported = cli.build_parser().parse_known_args(argv)
-    diag = cli.Diagnostics(io.StringIO())
-    _, requests, sessions = cli.resolve_run_sessions(args, diag)
+    resolved = resolve_command(args, Diagnostics(io.StringIO()))
+    requests, sessions = resolved.requests, resolved.sessions
     if sessions is not None:
         static = ~sessions.follow_up
         requests = _take(requests, static)
@@ -154,6 +155,6 @@ def test_spec_seed_wins_unless_seed_is_given(tmp_path):
     def arrivals(*flags):
         args = cli.build_parser().parse_args(["run", "--model", "meta-llama/Llama-3.1-8B-Instruct",
                                               "--workload-spec", str(spec), *flags])
-        return cli.resolve_run_sessions(args, cli.Diagnostics(io.StringIO()))[1].arrival_us.tolist()
+        return resolve_command(args, Diagnostics(io.StringIO())).requests.arrival_us.tolist()
 
     assert arrivals() == arrivals("--seed", "7") != arrivals("--seed", "42")

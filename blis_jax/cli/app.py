@@ -562,40 +562,12 @@ def _check_output_paths(args) -> None:
         _check_output_file(flag, value)
 
 
-# ------------------------------------------- library callers still being moved onto blis_jax.scenario
-
-
-def engine_params(scenario: ResolvedScenario):
-    return scenario.params
-
-
-def resolve_run_sessions(args, diag: Diagnostics):
-    """(resolved scenario, requests, SessionLinks or None) of `run`'s flags."""
-    resolved = resolve_command(args, diag)
-    return resolved, resolved.requests, resolved.sessions
-
-
 def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> ResolvedScenario:
     """The deployment of `run`'s or `replay`'s flags, without requests, at `horizon_us`."""
     with naming(FLAG_OF_FIELD):
         config = ScenarioConfig(deployment=scenario_flags.deployment(args), engine=scenario_flags.engine_settings(args),
                                 cluster=scenario_flags.cluster(args), seed=int(args.seed) if _seed_given(args) else None)
         return resolve_deployment(config, horizon_us=horizon_us, warn=diag.warn)
-
-
-def replay_horizon(args, requests) -> int | None:
-    from blis_jax.scenario.resolve import replay_horizon as horizon
-
-    return horizon(args.horizon, requests)
-
-
-def run_workload(args, diag: Diagnostics):
-    """The DistributionWorkload of `run`'s workload flags (distribution mode or a preset)."""
-    from blis_jax.scenario.resolve import distribution_workload
-
-    with naming(FLAG_OF_FIELD):
-        w = scenario_flags.workload(argparse.Namespace(**{**vars(args), "workload_spec": None}))
-        return distribution_workload(w, args.horizon, warn=diag.warn)
 
 
 def _check_output_file(flag: str, value: str | None) -> None:
