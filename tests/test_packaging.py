@@ -25,6 +25,7 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 # import name -> distribution name, where they differ
 DISTRIBUTION_OF = {"yaml": "pyyaml"}
+DATA_FILES = {"observed": "*.json"}   # the other bundled folders hold YAML
 
 
 def _declared(requirements: list[str]) -> set[str]:
@@ -78,7 +79,7 @@ def test_every_package_is_listed_and_every_data_folder_mapped():
     for kind, folder in REPOSITORY_FOLDERS.items():
         assert mapped[f"blis_jax.data.{kind}"] == folder
         assert f"blis_jax.data.{kind}" in listed
-        assert list((REPO / folder).glob("*.yaml")), f"{folder} holds no YAML file"
+        assert list((REPO / folder).glob(DATA_FILES.get(kind, "*.yaml"))), f"{folder} holds no data file"
 
 
 def test_bundled_data_is_readable_by_name():
@@ -86,8 +87,9 @@ def test_bundled_data_is_readable_by_name():
     assert "H100" in bundled_gpu_names()
     assert load_model("Qwen/Qwen3-14B").num_layers > 0
     for kind in REPOSITORY_FOLDERS:
-        assert sorted(p.name for p in bundled_dir(kind).glob("*.yaml")) == sorted(
-            p.name for p in (REPO / REPOSITORY_FOLDERS[kind]).glob("*.yaml")), kind
+        pattern = DATA_FILES.get(kind, "*.yaml")
+        assert sorted(p.name for p in bundled_dir(kind).glob(pattern)) == sorted(
+            p.name for p in (REPO / REPOSITORY_FOLDERS[kind]).glob(pattern)), kind
     with pytest.raises(KeyError, match="unknown bundled data kind"):
         bundled_dir("weights")
 

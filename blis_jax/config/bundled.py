@@ -19,6 +19,7 @@ REPOSITORY_FOLDERS = {
     "hardware": "configs/hardware",
     "sweeps": "configs/sweeps",
     "presets": "configs/presets",
+    "observed": "configs/observed",
     "fits": "fits",
 }
 

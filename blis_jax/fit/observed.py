@@ -216,11 +216,18 @@ def parse_observed(data: Any, path: str = "<data>", sha256: str = "") -> Observe
 
 
 def load_observed(path: str | Path, flag: str = "--observed") -> ObservedSet:
-    """Read and validate an observed file (trainval15.json format)."""
+    """Read and validate an observed file (trainval15.json format): a path, or the name of a
+    bundled one (`synthetic-small`, from `configs/observed/`)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{flag} {path}: file does not exist (the 15 observed experiments are in "
-                          "../shared/reference/observed/trainval15.json)")
+        from blis_jax.config.bundled import bundled_dir
+
+        bundled = bundled_dir("observed") / f"{path.name.removesuffix('.json')}.json"
+        if path.parent != Path(".") or not bundled.is_file():
+            raise ConfigError(f"{flag} {path}: file does not exist (bundled: "
+                              f"{', '.join(p.stem for p in sorted(bundled_dir('observed').glob('*.json')))}; the 15 "
+                              "real observed experiments are in ../shared/reference/observed/trainval15.json)")
+        path = bundled
     text = read_text(path, f"{flag} {path}")
     blob = path.read_bytes()
     data = load_json_text(text, f"{flag} {path}")
