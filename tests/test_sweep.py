@@ -350,31 +350,32 @@ def test_coefficient_axes_fold_into_run_flags():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="spies on sweep.batch._run_chunk, gone since the chunked batch runner; to be "
-                          "rewritten against its successor (the -m slow suite was not run in CI until now)")
 def test_overflowing_lane_is_rerun_with_grown_dims(tmp_path, monkeypatch):
     """A lane whose first run overflows (here: its in-flight window is made too small for its
-    queue) is rerun at grown dims, and its row equals a plain `blis-jax run`. Slow: new programs."""
+    queue) is rerun with that capacity grown, and only that one, and its row equals a plain
+    `blis-jax run`. Slow: new programs."""
+    from blis_jax.engine.growth import Growth, as_growth
+
     original = InstanceLane.dims
 
     def tiny_window(self, growth=1):
         d = original(self, growth)
-        return d if growth > 1 else dataclasses.replace(d, window=4)
+        return d if as_growth(growth).window > 1 else dataclasses.replace(d, window=4)
 
     monkeypatch.setattr(InstanceLane, "dims", tiny_window)
     runs = []
-    real_run_chunk = batch._run_chunk
+    real_collect = batch._collect
 
-    def spy(lanes, chunk, plan, *args):
-        grow = real_run_chunk(lanes, chunk, plan, *args)
-        runs.append((plan.growth, plan.dims.window, len(grow)))
-        return grow
+    def spy(lanes, chunk, order, state, plan, results, reduce):
+        grow, grown = real_collect(lanes, chunk, order, state, plan, results, reduce)
+        runs.append((plan.growth, plan.dims.window, len(grow), grown))
+        return grow, grown
 
-    monkeypatch.setattr(batch, "_run_chunk", spy)
+    monkeypatch.setattr(batch, "_collect", spy)
     (row,) = run_sweep(parse_grid({"base": {**BASE, "rate": 40}})).rows
-    assert runs[0] == (1, 4, 1), f"the first run did not overflow: {runs}"
-    assert runs[-1][0] == 4 and runs[-1][1] > 4 and runs[-1][2] == 0 and row["result"] == "ok"
+    assert runs[0][:3] == (Growth(), 4, 1), f"the first run did not overflow: {runs}"
+    assert runs[0][3] == Growth(window=4), "only the overflowed capacity grows"
+    assert runs[-1][0] == Growth(window=4) and runs[-1][1] > 4 and runs[-1][2] == 0 and row["result"] == "ok"
     expected = run_metrics(tmp_path, "--rate", 40)
     assert {k: row[k] for k in expected} == expected
 

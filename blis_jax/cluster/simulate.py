@@ -28,6 +28,7 @@ from blis_jax.cluster import scorers as sc
 from blis_jax.engine import output as so
 from blis_jax.engine import results
 from blis_jax.engine.dims import bucket, choose_dims
+from blis_jax.engine.growth import Growth, run_growing
 from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.params import EngineParams
 from blis_jax.engine.simulate import request_arrays, to_output
@@ -205,8 +206,8 @@ def simulate_cluster_views(
     gateway, bands, tenants = (gw.make_params(cluster.flow_control, requests, cluster.queue_depth_threshold,
                                               cluster.kv_cache_util_threshold)
                                if cluster.flow_control is not None else (None, 1, 1))
-    growth = 1
-    while True:
+
+    def attempt(growth: Growth):
         edims = choose_dims(
             input_len=requests.input_len, output_len=requests.output_len, prefix_group=requests.prefix_group,
             prefix_len=requests.prefix_len, max_num_seqs=int(params.max_num_seqs),
@@ -220,7 +221,7 @@ def simulate_cluster_views(
         gateway_slots = 0
         if gateway is not None:
             depth = cluster.flow_control.max_gateway_queue_depth
-            gateway_slots = bucket(max(1, min(len(requests), depth if depth > 0 else 256))) * growth
+            gateway_slots = bucket(max(1, min(len(requests), depth if depth > 0 else 256))) * growth.gateway_slots
         profile = cluster.profile()
         prefill_profile, decode_profile = cluster.pool_profiles() if cluster.pd else (None, None)
         cd = loop.ClusterDims(
@@ -228,7 +229,7 @@ def simulate_cluster_views(
             scorers=profile.names if profile is not None else (), pd=cluster.pd,
             prefill_scorers=prefill_profile.names if prefill_profile is not None else (),
             decode_scorers=decode_profile.names if decode_profile is not None else (),
-            transfers=bucket(64 * growth) if cluster.pd else 1,
+            transfers=bucket(64 * growth.transfers) if cluster.pd else 1,
             admission_reads_state=cluster.admission().reads_state,
             gateway_slots=gateway_slots, gateway_bands=bands, gateway_tenants=tenants,
         )
@@ -263,10 +264,10 @@ def simulate_cluster_views(
         code = int(np.bitwise_or.reduce(np.asarray(cs.instances.result))) | int(cs.result)
         if cs.gateway is not None and bool(cs.gateway.full):
             code |= results.GATEWAY_FULL
-        if code & results.GROWABLE and growth < 64:
-            growth *= 4
-            continue
-        return merge_outputs(cs, edims, params, requests, code, readers, cluster.num_instances, cluster.pd)
+        return (cs, edims, code, readers), code
+
+    cs, edims, code, readers = run_growing(attempt)
+    return merge_outputs(cs, edims, params, requests, code, readers, cluster.num_instances, cluster.pd)
 
 
 _init = jax.jit(loop.init_cluster, static_argnums=0)

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from blis_jax.engine.growth import Growth, as_growth
 from blis_jax.limits import check_engine
 
 SCHEDULERS = ("fcfs", "priority-fcfs", "sjf")
@@ -91,7 +92,7 @@ def choose_dims(
     block_size: int,
     scheduler: str = "fcfs",
     preemption_policy: str = "fcfs",
-    growth: int = 1,
+    growth: int | Growth = 1,
     step_log: int | None = None,
     num_sessions: int = 0,
     trace_steps: bool = False,
@@ -100,8 +101,9 @@ def choose_dims(
 ) -> EngineDims:
     """Pick bucketed capacities for a request set and engine settings.
 
-    `growth` multiplies the capacities that can overflow at run time (preempted slots, free
-    ring, wait window, logs); the driver retries with a larger growth on an overflow result code.
+    `growth` (a `Growth`, or one multiplier for all) multiplies the capacities that can overflow
+    at run time (preempted slots, free ring, wait window, logs); the driver reruns with the
+    overflowed capacity grown (growth.py).
     `step_log` is the number of steps the ITL step log holds between two host reads: the chunked
     driver reads it after every chunk, so it passes its chunk size; the default bounds the steps
     of a whole run (one decode or one prefill chunk per request and token), for `run_to_end`.
@@ -115,6 +117,7 @@ def choose_dims(
     every step of the run slow, or its buffers not fit in memory).
     The result is checked against the memory budget (limits.check_engine).
     """
+    g = as_growth(growth)
     n = len(input_len)
     served = servable(input_len, output_len, max_model_len, total_kv_blocks, block_size)
     inputs, outputs = np.asarray(input_len, np.int64)[served], np.asarray(output_len, np.int64)[served]
@@ -123,7 +126,7 @@ def choose_dims(
     # More slots than requests are never used (a bound only for absurd --max-num-seqs values:
     # ordinary ones keep their own bucket, so they share compiled programs as before).
     max_num_seqs = min(max_num_seqs, max(bucket(n), MAX_PLAIN_SLOTS))
-    batch = bucket(max_num_seqs if batch_start is None else min(max_num_seqs, batch_start * growth))
+    batch = bucket(max_num_seqs if batch_start is None else min(max_num_seqs, batch_start * g.batch_slots))
     kv = bucket(total_kv_blocks, 16)
     groups = int(prefix_group.max()) + 1 if n and prefix_group.max() >= 0 else 1
     prefixes = np.asarray(prefix_len, np.int64)[served]
@@ -136,25 +139,25 @@ def choose_dims(
     dims = EngineDims(
         num_requests=bucket(n),
         batch_slots=batch,
-        preempted_slots=bucket(min(batch, max(n, 1)) * growth),
+        preempted_slots=bucket(min(batch, max(n, 1)) * g.preempted_slots),
         kv_blocks=kv,
         blocks_per_request=bucket(per_request),
         alloc_blocks=alloc,
         row_alloc_blocks=bucket(chunk_blocks),
-        free_ring=bucket(2 * kv * growth),
+        free_ring=bucket(2 * kv * g.free_ring),
         prefix_groups=bucket(groups, 1),
         prefix_blocks=bucket(shared + 1, 1),
-        step_log=fine_bucket(_whole_run_steps(inputs, outputs, max_num_batched_tokens) * growth
+        step_log=fine_bucket(_whole_run_steps(inputs, outputs, max_num_batched_tokens) * g.step_log
                              if step_log is None else step_log),
-        run_log=bucket(max(64, n // 16) * growth),
+        run_log=bucket(max(64, n // 16) * g.run_log),
         block_size=int(block_size),
         sessions=bucket(num_sessions, 1),
         trace_steps=trace_steps,
         scheduler=scheduler,
         preemption_policy=preemption_policy,
-        wait_slots=bucket(min(max(n, 1), 4096) * growth) if scheduler != "fcfs" else 8,
-        window=bucket(min(max(n, 1), 4096) * growth),
-        inbox=64 * growth,
+        wait_slots=bucket(min(max(n, 1), 4096) * g.wait_slots) if scheduler != "fcfs" else 8,
+        window=bucket(min(max(n, 1), 4096) * g.window),
+        inbox=64 * g.inbox,
     )
     check_engine(dims)
     return dims

@@ -20,6 +20,7 @@ import numpy as np
 from blis_jax import executables, latency
 from blis_jax.engine import events, results
 from blis_jax.engine.dims import EngineDims, choose_dims
+from blis_jax.engine.growth import Growth, run_growing
 from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.output import SimOutput
@@ -246,14 +247,14 @@ def simulate_traced(
 def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler: str = "fcfs",
            preemption_policy: str = "fcfs", events_per_chunk: int = 200_000, progress=None,
            trace_steps: bool = False):
-    """Run to the end in chunks, growing the buffers and rerunning on an overflow result code.
+    """Run to the end in chunks, rerunning with the overflowed buffers grown (growth.py).
     Returns (final state, dims, result code, ITL log reader)."""
     for value, allowed, flag in ((scheduler, ("fcfs", "priority-fcfs", "sjf"), "--scheduler"),
                                  (preemption_policy, ("fcfs", "priority"), "--preemption-policy")):
         if value not in allowed:
             raise ConfigError(f"{flag} {value!r} is not supported; choose one of {', '.join(allowed)}")
-    growth = 1
-    while True:
+
+    def attempt(growth: Growth):
         dims = choose_dims(
             input_len=requests.input_len,
             output_len=requests.output_len,
@@ -287,10 +288,9 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
             if bool(done):
                 break
         code = int(state.result)
-        if code & results.GROWABLE and growth < 64:
-            growth *= 4
-            continue
-        return state, dims, code, itl_reader
+        return (state, dims, code, itl_reader), code
+
+    return run_growing(attempt)
 
 
 def in_flight(s, num_requests: int):

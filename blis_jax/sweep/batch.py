@@ -25,12 +25,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from blis_jax.engine import results as result_codes
 from blis_jax import executables
+from blis_jax.engine.growth import Growth
 from blis_jax.sweep import memory, sharding
 from blis_jax.sweep.progress import SweepProgress
 
-MAX_GROWTH = 64  # as simulate_instance: buffers grow ×4 per retry, up to ×64
 
 # Compiled batch programs by (lane program, dims, mesh): one jit object per shape, reused
 # across sweeps in a process.
@@ -73,7 +72,7 @@ class _Plan:
 
     lanes: list[int]
     dims: Hashable
-    growth: int
+    growth: Growth
     chunk: int
     mode: str
 
@@ -107,12 +106,13 @@ def run_lanes(
     groups: dict[Hashable, list[int]] = defaultdict(list)
     for i, lane in enumerate(lanes):
         groups[lane.group_key()].append(i)
-    queue = [_plan(lanes, members, 1, None, max_batch, budget, mesh.size, mode) for members in groups.values()]
+    queue = [_plan(lanes, members, Growth(), None, max_batch, budget, mesh.size, mode) for members in groups.values()]
     results: list = [None] * len(lanes)
     batch_no = progress.batches if progress is not None else 0  # numbering goes on across calls
     while queue:
         plan = queue.pop(0)
         retry: list[int] = []
+        retry_growth = plan.growth
         chunks = _chunks(plan)
         in_flight = None
         # The next chunk is dispatched before the last one's outputs are read, so the host's
@@ -127,17 +127,18 @@ def run_lanes(
                 launched = _launch(lanes, chunk, plan, mesh)
             if in_flight is not None:
                 done_chunk = in_flight[0]
-                grow = _collect(lanes, *in_flight, plan, results, reduce)
+                grow, grown = _collect(lanes, *in_flight, plan, results, reduce)
                 retry += grow
+                retry_growth = retry_growth.join(grown)
                 if progress is not None:
                     progress.finished(sum(getattr(lanes[i], "share", 1.0) for i in done_chunk if i not in grow))
             in_flight = launched
         if retry:
-            queue.append(_plan(lanes, retry, plan.growth * 4, plan.dims, max_batch, budget, mesh.size, plan.mode))
+            queue.append(_plan(lanes, retry, retry_growth, plan.dims, max_batch, budget, mesh.size, plan.mode))
     return results
 
 
-def _plan(lanes, members: list[int], growth: int, floor, max_batch, budget, ndev, mode) -> _Plan:
+def _plan(lanes, members: list[int], growth: Growth, floor, max_batch, budget, ndev, mode) -> _Plan:
     """Dims covering `members` (and `floor`), and the chunk size the memory budget allows."""
     members = sorted(members, key=lambda i: lanes[i].work())
     kind = type(lanes[members[0]])
@@ -188,19 +189,22 @@ def _launch(lanes, chunk: list[int], plan: _Plan, mesh):
     return chunk, order, state
 
 
-def _collect(lanes, chunk: list[int], order: list[int], state, plan: _Plan, results: list, reduce) -> list[int]:
+def _collect(lanes, chunk: list[int], order: list[int], state, plan: _Plan, results: list,
+             reduce) -> tuple[list[int], Growth]:
     """Reduce the lanes of a launched chunk that are done; returns the lanes to rerun with
-    grown buffers."""
+    grown buffers, and the growth that covers what each of them overflowed."""
     host = jax.device_get(state)
     del state
     kind = type(lanes[chunk[0]])
     position = {i: j for j, i in reversed(list(enumerate(order))) if i is not None}
-    grow = []
+    grow, grown = [], plan.growth
     for i in chunk:
         lane_state = jax.tree.map(lambda x, j=position[i]: x[j], host)
         code = kind.result_code(lane_state)
-        if code & result_codes.GROWABLE and plan.growth < MAX_GROWTH:
+        after = plan.growth.after(code)
+        if after is not None:
             grow.append(i)
+            grown = grown.join(after)
             continue
         results[i] = reduce(i, lanes[i].output(lane_state, plan.dims, code))
-    return grow
+    return grow, grown

@@ -71,7 +71,7 @@ class InstanceLane:
         return ("instance", jax.tree.structure(self.model), self.block_size, self.scheduler,
                 self.preemption_policy)
 
-    def dims(self, growth: int = 1) -> EngineDims:
+    def dims(self, growth: int | Growth = 1) -> EngineDims:
         r = self.requests
         return choose_dims(input_len=r.input_len, output_len=r.output_len, prefix_group=r.prefix_group,
                            prefix_len=r.prefix_len, max_num_seqs=int(self.params.max_num_seqs),
