@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import math
 import os
 import sys
@@ -391,68 +392,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shared_flags(replay)
     _add_convert_parsers(sub)
     _add_calibrate_parser(sub)
-    _add_sweep_parsers(sub)
-    _add_fit_parser(sub)
-    _add_sensitivity_parser(sub)
-    _add_observe_parser(sub)
+    _add_delegated_parsers(sub)
     models = sub.add_parser("models", allow_abbrev=False, help="list the bundled models and GPUs",
                             description="List the bundled model ids (for --model) and GPU names (--hardware).")
     _add_log_flag(models)
     return parser
 
 
-def _add_sweep_parsers(sub) -> None:
-    from blis_jax.cli import sweep  # imported here: it imports this module (add_memory_flag)
-
-    sweep.add_parsers(sub)
-
-
-def cmd_sweep(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    from blis_jax.cli import sweep
-
-    return sweep.cmd_sweep(args, stdout, stderr, diag)
+# Subcommands whose flags and output live in their own module of this package (imported when
+# the parser is built: they import this module): module → (its parser adder, command → function).
+_DELEGATED = {"sweep": ("add_parsers", {"sweep": "cmd_sweep", "plan": "cmd_plan"}),
+              "fit": ("add_parser", {"fit": "cmd_fit"}),
+              "sensitivity": ("add_parser", {"sensitivity": "cmd_sensitivity"}),
+              "observe": ("add_parser", {"observe": "cmd_observe"})}
 
 
-def cmd_plan(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    from blis_jax.cli import sweep
-
-    return sweep.cmd_plan(args, stdout, stderr, diag)
-
-
-def _add_fit_parser(sub) -> None:
-    from blis_jax.cli import fit  # flags and output in blis_jax/cli/fit.py, logic in blis_jax/fit/
-
-    fit.add_parser(sub)
+def _add_delegated_parsers(sub) -> None:
+    for module, (adder, _) in _DELEGATED.items():
+        getattr(importlib.import_module(f"blis_jax.cli.{module}"), adder)(sub)
 
 
-def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    from blis_jax.cli import fit
+def _delegated_commands() -> dict[str, Callable]:
+    def command(module: str, function: str) -> Callable:
+        def run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
+            return getattr(importlib.import_module(f"blis_jax.cli.{module}"), function)(args, stdout, stderr, diag)
+        return run
 
-    return fit.cmd_fit(args, stdout, stderr, diag)
-
-
-def _add_sensitivity_parser(sub) -> None:
-    from blis_jax.cli import sensitivity  # flags and output in blis_jax/cli/, logic in blis_jax/fit/
-
-    sensitivity.add_parser(sub)
-
-
-def cmd_sensitivity(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    from blis_jax.cli import sensitivity
-
-    return sensitivity.cmd_sensitivity(args, stdout, stderr, diag)
-
-
-def _add_observe_parser(sub) -> None:
-    from blis_jax.cli import observe  # flags and output; the logic lives in blis_jax/observe/
-
-    observe.add_parser(sub)
-
-
-def cmd_observe(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
-    from blis_jax.cli import observe
-
-    return observe.cmd_observe(args, stdout, stderr, diag)
+    return {name: command(module, function)
+            for module, (_, functions) in _DELEGATED.items() for name, function in functions.items()}
 
 
 # ---------------------------------------------------------------------------- diagnostics
@@ -708,9 +675,8 @@ def cmd_models(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
 
 
 COMMANDS: dict[str, Callable] = {"run": cmd_run, "replay": cmd_replay, "convert": cmd_convert,
-                                 "compose": cmd_compose, "calibrate": cmd_calibrate,
-                                 "sweep": cmd_sweep, "plan": cmd_plan, "fit": cmd_fit,
-                                 "sensitivity": cmd_sensitivity, "observe": cmd_observe, "models": cmd_models}
+                                 "compose": cmd_compose, "calibrate": cmd_calibrate, "models": cmd_models,
+                                 **_delegated_commands()}
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
