@@ -51,7 +51,7 @@ SCENARIOS = {
         ("queueing",),
     ),
     "kv_pressure": (
-        {"seed": 12, "n": 200, "rate_rps": 30.0, "input_range": (16, 300), "output_range": (10, 120),
+        {"seed": 12, "n": 100, "rate_rps": 30.0, "input_range": (16, 300), "output_range": (10, 120),
          "block_multiple_frac": 0.4, "burst_frac": 0.2},
         {"max_num_seqs": 64, "max_num_batched_tokens": 1024, "total_kv_blocks": 48},
         ("preemption",),

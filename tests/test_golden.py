@@ -57,6 +57,7 @@ def test_batched_runs_equal_single_runs():
 
 
 @needs_blis_ref
+@pytest.mark.slow  # a whole experiment through the CLI (~11 s): the default suite's time budget
 def test_run_flags_reproduce_the_experiment_through_the_cli(tmp_path, capsys):
     from blis_jax.cli import main
 

@@ -129,12 +129,29 @@ def test_generated_traces_keep_the_contract(rows, header_text, bom, drop_column,
 SPEC_VALUES = st.one_of(SMALL, HUGE, st.sampled_from([-1, 0.5, "7", True, None, [], {}, "nan", 1e308]))
 
 
-@FAST
-@given(num_requests=_mostly(st.integers(1, 5), SPEC_VALUES),
-       seed=_mostly(st.integers(-2**63, 2**64 - 1), st.one_of(HUGE, st.sampled_from([-(2**63) - 1, "x", 2**64]))),
-       rate=_mostly(st.sampled_from([5, 0.5, 1e-3]), SPEC_VALUES), value=_mostly(st.integers(1, 48), SPEC_VALUES),
-       extra=_mostly(st.just(""), st.sampled_from(["colour: red\n", "clients: 3\n", "horizon: 99999999999999999999\n"])))
+SPEC_ARGS = dict(
+    num_requests=_mostly(st.integers(1, 5), SPEC_VALUES),
+    seed=_mostly(st.integers(-2**63, 2**64 - 1), st.one_of(HUGE, st.sampled_from([-(2**63) - 1, "x", 2**64]))),
+    rate=_mostly(st.sampled_from([5, 0.5, 1e-3]), SPEC_VALUES), value=_mostly(st.integers(1, 48), SPEC_VALUES),
+    extra=_mostly(st.just(""), st.sampled_from(["colour: red\n", "clients: 3\n", "horizon: 99999999999999999999\n"])))
+
+
+# A valid example is a whole simulation (~4 s): 8 examples in the default suite, the usual
+# count with -m slow (CI time).
+@settings(FAST, max_examples=min(8, FAST.max_examples))
+@given(**SPEC_ARGS)
 def test_generated_specs_keep_the_contract(num_requests, seed, rate, value, extra):
+    _spec_contract(num_requests, seed, rate, value, extra)
+
+
+@pytest.mark.slow
+@FAST
+@given(**SPEC_ARGS)
+def test_generated_specs_keep_the_contract_more_examples(num_requests, seed, rate, value, extra):
+    _spec_contract(num_requests, seed, rate, value, extra)
+
+
+def _spec_contract(num_requests, seed, rate, value, extra):
     tmp = Path(tempfile.mkdtemp(prefix="blis-prop-"))
     spec = tmp / "s.yaml"
     spec.write_text(

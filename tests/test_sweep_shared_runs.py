@@ -85,6 +85,7 @@ def test_unbound_runs_are_simulated_once(runs):
     assert simulated == [[2, 2], [4], [8]]
 
 
+@pytest.mark.slow  # ~11 s of compilation: the default suite's time budget
 def test_peak_batch_size_is_the_most_requests_running_at_once():
     workload = DistributionWorkload(rate=40.0, num_requests=24, prompt=GaussianLength(150, 50, 20, 300),
                                     output=GaussianLength(30, 10, 10, 60))

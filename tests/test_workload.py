@@ -179,7 +179,14 @@ def test_negative_timeout_disables_deadlines():
     ({"prompt": GaussianLength(float("nan"), 1, 2, 10)}, "--prompt-tokens"),
 ])
 def test_invalid_flags_name_the_flag(kwargs, flag):
-    with pytest.raises(ConfigError, match=flag):
+    """With the CLI's names installed an error names the flag; without, the field's path."""
+    from blis_jax.cli.scenario_flags import FLAG_OF_FIELD
+    from blis_jax.naming import naming
+
+    with naming(FLAG_OF_FIELD), pytest.raises(ConfigError, match=flag):
+        DistributionWorkload(**kwargs)
+    field = {flag_: path for path, flag_ in FLAG_OF_FIELD.items()}[flag.removesuffix("-min").removesuffix("-stdev")]
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         DistributionWorkload(**kwargs)
 
 

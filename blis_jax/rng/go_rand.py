@@ -327,9 +327,9 @@ class GoRand:
         if self.drawn + n > MAX_TOKEN_DRAWS:
             from blis_jax.errors import ConfigError
 
-            raise ConfigError(f"the workload would draw over {MAX_TOKEN_DRAWS:,} token IDs from one random "
-                              f"stream ({n:,} for one request; BLIS draws one per prompt and output token); "
-                              "lower the token lengths or the number of requests")
+            raise ConfigError(f"the workload needs over {MAX_TOKEN_DRAWS:,} token IDs from one stream "
+                              f"({n:,} for one request; one per token, as in BLIS); lower the token "
+                              "lengths or the number of requests")
 
     def tokens(self, n: int) -> np.ndarray:
         """n successive `Intn(128000)` values (BLIS's token IDs, blis-rng.md §3.1)."""
