@@ -25,15 +25,30 @@ import blis_jax  # noqa: E402, F401
 from blis_jax import executables  # noqa: E402
 
 
-# Modules whose compiled programs are large (clusters, sweeps, fits, golden runs): dropped after
-# the module. Others keep theirs, which later modules often reuse (same shapes).
-_LARGE_PROGRAMS = ("cluster", "sweep", "plan", "sensitivity", "golden", "fit", "concurrency", "sessions")
+# Modules whose compiled programs are large or many (clusters, sweeps, fits, golden runs, the
+# CLI's and the API's replays of every reference case): dropped after the module. Others keep
+# theirs, which later modules often reuse (same shapes).
+_LARGE_PROGRAMS = ("cluster", "sweep", "plan", "sensitivity", "golden", "fit", "concurrency", "sessions",
+                   "test_cli", "test_api", "accuracy", "docs", "engine_parity")
+# Each XLA:CPU executable holds memory mappings of its own; past the kernel's per-process limit
+# (vm.max_map_count, 65530 by default) the next compilation crashes in LLVM (a segfault in
+# the -m slow run, at 4.1 GB RSS, in a compile that passes alone). Programs are also dropped
+# after any module once the process holds this many mappings.
+_MAX_MAPPINGS = 20_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:   # not Linux: the named modules above only
+        return 0
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs(request):
     yield
-    if any(word in request.module.__name__ for word in _LARGE_PROGRAMS):
+    if any(word in request.module.__name__ for word in _LARGE_PROGRAMS) or _mappings() > _MAX_MAPPINGS:
         jax.clear_caches()
         executables.forget()
         gc.collect()
