@@ -137,7 +137,7 @@ def test_no_output_overwrites_an_input_or_another_output(files, case):
     assert sorted(p for p in files["tmp"].iterdir() if p.is_file()) == sorted(before)  # nothing new written
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+@pytest.mark.skipif(os.geteuid() == 0, reason="as root, file permissions do not stop a write, so no unwritable output path can be set up")
 def test_unwritable_output_directory_is_refused_before_simulating(files):
     locked = files["tmp"] / "locked"
     locked.mkdir()
