@@ -1,6 +1,8 @@
 """Latency models: spec worked numbers, BLIS goldens, and the JAX contract
 (jit == eager, vmap == loop, gradients == finite differences, no retrace)."""
 
+import dataclasses
+
 import chex
 import equinox as eqx
 import jax
@@ -222,6 +224,26 @@ def test_alpha_terms():
     assert int(post_decode_time_us(rf)) == 0
     rf0 = build_latency_model("roofline", load_model(LLAMA8B), load_gpu("H100"), 1)
     assert int(queueing_time_us(rf0, 4000)) == 0  # CLI roofline: alpha defaults to zeros
+
+
+def test_each_kind_is_its_own_final_class_and_the_base_is_abstract():
+    arch, gpu = load_model(LLAMA8B), load_gpu("H100")
+    tp_model = build_latency_model("trained-physics", arch, gpu, 1)
+    rf = build_latency_model("roofline", arch, gpu, 1)
+    assert type(tp_model) is latency.TrainedPhysicsModel and type(rf) is latency.RooflineModel
+    assert (tp_model.kind, rf.kind) == ("trained-physics", "roofline")
+    assert isinstance(tp_model, latency.LatencyModel) and isinstance(rf, latency.LatencyModel)
+    # the kind is structure: two kinds never share a compiled program or a stacked pytree
+    assert jax.tree.structure(tp_model) != jax.tree.structure(rf)
+    fields = {f.name: getattr(rf, f.name) for f in dataclasses.fields(rf)}
+    with pytest.raises(TypeError):
+        latency.LatencyModel(**fields)
+    # the decode-run shortcut equals one step per offset, for both kinds
+    feats = decode_32x1024()
+    for model in (tp_model, rf):
+        run = latency.decode_run_step_times_us(model, feats, jnp.array([0, 1, 7]))
+        one_by_one = [us(model, batch([1] * 32, [1024 + o] * 32, [512] * 32)) for o in (0, 1, 7)]
+        assert run.tolist() == one_by_one
 
 
 def test_truncation_like_go():

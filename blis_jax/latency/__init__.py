@@ -3,6 +3,8 @@
 from blis_jax.latency.features import BatchFeatures as BatchFeatures
 from blis_jax.latency.features import make_batch_features as make_batch_features
 from blis_jax.latency.model import LatencyModel as LatencyModel
+from blis_jax.latency.model import RooflineModel as RooflineModel
+from blis_jax.latency.model import TrainedPhysicsModel as TrainedPhysicsModel
 from blis_jax.latency.model import build_latency_model as build_latency_model
 from blis_jax.latency.model import decode_run_step_times_us as decode_run_step_times_us
 from blis_jax.latency.model import first_token_lag_float as first_token_lag_float

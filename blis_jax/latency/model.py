@@ -1,13 +1,16 @@
-"""`LatencyModel`: numbers as float64 arrays, structure as static fields.
+"""`LatencyModel`: numbers as float64 arrays, structure as static fields and the class.
 
-Changing any number (coefficients, architecture or hardware figures, TP) never retraces;
+`LatencyModel` is abstract; its two final kinds, `TrainedPhysicsModel` and `RooflineModel`,
+differ only in their methods (the same fields, so one builder fills both). Changing any number (coefficients, architecture or hardware figures, TP) never retraces;
 the model vmaps over coefficient sets and differentiates w.r.t. them. The ``*_float``
 functions are the differentiable values; the ``*_us`` functions truncate to int64 µs
 exactly as BLIS does (Go ``int64(x)``; NaN and overflow clamp to MaxInt64).
 """
 
+import abc
 import dataclasses
 import functools
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -29,7 +32,6 @@ from blis_jax.errors import ConfigError
 from blis_jax.latency import roofline, trained_physics
 from blis_jax.latency.features import BatchFeatures
 
-KINDS = ("trained-physics", "roofline")
 NUM_BETA_SLOTS = 11
 # MoE dispatch/combine backends → volume family (spec latency-models §2.2).
 _ALLGATHER = ("naive", "allgather_reducescatter")
@@ -39,10 +41,14 @@ _INT64_MIN = -(2**63)
 
 
 class LatencyModel(eqx.Module):
-    """Step-time model of one instance (model × GPU × TP/DP) with its coefficients."""
+    """Step-time model of one instance (model × GPU × TP/DP) with its coefficients.
 
-    # Structure (static): changing these retraces.
-    kind: str = eqx.field(static=True)  # "trained-physics" | "roofline"
+    Abstract: `build_latency_model` makes a `TrainedPhysicsModel` or a `RooflineModel`. The
+    float methods are the differentiable values before truncation; the module-level ``*_us``
+    functions truncate them as BLIS does."""
+
+    kind: ClassVar[str]  # the --latency-model name
+    # Structure (static; the class is structure too): changing these retraces.
     num_betas: int = eqx.field(static=True)  # betas given (7..11) → mode; 0 for roofline
     moe_comm: str = eqx.field(static=True)  # "allgather" | "all2all"
     # Architecture (float64 scalars; FFN dims already resolved for this kind).
@@ -70,6 +76,71 @@ class LatencyModel(eqx.Module):
     # Coefficients.
     alpha: Float[Array, "4"]  # α₀ α₁ α₂ (BLIS) and the first-token lag α₃ (0: BLIS's behaviour)
     beta: Float[Array, "11"]  # zero-padded; the unused tail is ignored by `num_betas`
+
+    @abc.abstractmethod
+    def step_time(self, feats: BatchFeatures) -> Float[Array, ""]:
+        """Step time in µs before truncation (0.0 for an empty batch)."""
+
+    @abc.abstractmethod
+    def decode_run_step_times(self, feats: BatchFeatures, offsets: Int[Array, " K"]) -> Float[Array, " K"]:
+        """`step_time` of the decode-only batch `feats` with every context grown by each offset
+        (0.0 for an empty batch)."""
+
+    @abc.abstractmethod
+    def queueing_time(self, input_len: Float[Array, "..."]) -> Float[Array, "..."]:
+        """Arrival → enqueue delay in µs before truncation."""
+
+    @abc.abstractmethod
+    def post_decode_time(self) -> Float[Array, ""]:
+        """Added once to E2E, in µs before truncation."""
+
+
+class TrainedPhysicsModel(LatencyModel):
+    """BLIS's trained-physics model (latency-models §2): physics basis functions weighted by β;
+    α₀ delays enqueue, α₁ is added once to E2E."""
+
+    kind: ClassVar[str] = "trained-physics"
+
+    def step_time(self, feats):
+        return trained_physics.step_time(self, feats)
+
+    def decode_run_step_times(self, feats, offsets):
+        # It depends on the batch only through integer sums: O(K), not O(K x slots).
+        count = jnp.sum(feats.decode).astype(jnp.int64)
+        ctx = jnp.sum(jnp.where(feats.decode, feats.progress, 0)) + offsets * count
+        x = trained_physics.step_time_of_sums(self, trained_physics.decode_sums(count, ctx))
+        return jnp.where(count > 0, x, 0.0)
+
+    def queueing_time(self, input_len):
+        return jnp.broadcast_to(self.alpha[0], input_len.shape)
+
+    def post_decode_time(self):
+        return self.alpha[1]
+
+
+class RooflineModel(LatencyModel):
+    """BLIS's roofline model (latency-models §1): one compute/memory crossover per step;
+    enqueue waits α₀ + α₁·input_len, and nothing is added to E2E."""
+
+    kind: ClassVar[str] = "roofline"
+
+    def step_time(self, feats):
+        return roofline.step_time(self, feats)
+
+    def decode_run_step_times(self, feats, offsets):
+        # Per-request float sums: each step on its own, as a single step would be (a vectorized
+        # [K, slots] evaluation may round its sums differently).
+        return jax.lax.map(lambda o: self.step_time(dataclasses.replace(feats, progress=feats.progress + o)), offsets)
+
+    def queueing_time(self, input_len):
+        return self.alpha[0] + self.alpha[1] * input_len
+
+    def post_decode_time(self):
+        return jnp.zeros((), jnp.float64)
+
+
+_CLASS_OF_KIND = {cls.kind: cls for cls in (TrainedPhysicsModel, RooflineModel)}
+KINDS = tuple(_CLASS_OF_KIND)
 
 
 def _f64(x) -> Float[Array, ""]:
@@ -158,8 +229,7 @@ def _build_latency_model(kind, arch, gpu, tp, alpha, beta, dp, moe_backend) -> L
         ffn = arch.intermediate_size or 4 * arch.hidden_size  # roofline's 4d fallback
 
     moe_ffn = arch.moe_intermediate_size or ffn
-    return LatencyModel(
-        kind=kind,
+    return _CLASS_OF_KIND[kind](
         num_betas=num_betas,
         moe_comm=moe_comm,
         num_layers=_f64(arch.num_layers),
@@ -214,17 +284,12 @@ def with_coefficients(model: LatencyModel, alpha=None, beta=None) -> LatencyMode
 
 def step_time_float(model: LatencyModel, feats: BatchFeatures) -> Float[Array, ""]:
     """Step time in µs before truncation (0.0 for an empty batch)."""
-    if model.kind == "trained-physics":
-        return trained_physics.step_time(model, feats)
-    return roofline.step_time(model, feats)
+    return model.step_time(feats)
 
 
 def queueing_time_float(model: LatencyModel, input_len: ArrayLike) -> Float[Array, "..."]:
     """Arrival → enqueue delay: α0 (trained-physics) or α0 + α1·input_len (roofline)."""
-    input_len = jnp.asarray(input_len).astype(jnp.float64)
-    if model.kind == "trained-physics":
-        return jnp.broadcast_to(model.alpha[0], input_len.shape)
-    return model.alpha[0] + model.alpha[1] * input_len
+    return model.queueing_time(jnp.asarray(input_len).astype(jnp.float64))
 
 
 def output_token_time_float(model: LatencyModel) -> Float[Array, ""]:
@@ -243,7 +308,7 @@ def first_token_lag_float(model: LatencyModel, step_us: ArrayLike) -> Float[Arra
 
 def post_decode_time_float(model: LatencyModel) -> Float[Array, ""]:
     """Added once to E2E: α1 (trained-physics) or 0 (roofline)."""
-    return model.alpha[1] if model.kind == "trained-physics" else jnp.zeros((), jnp.float64)
+    return model.post_decode_time()
 
 
 # ---------------------------------------------------------------------------------------
@@ -267,19 +332,8 @@ def step_time_us(model: LatencyModel, feats: BatchFeatures) -> Int[Array, ""]:
 
 def decode_run_step_times_us(model: LatencyModel, feats: BatchFeatures, offsets) -> Int[Array, " K"]:
     """`step_time_us` of the decode-only batch `feats` with every context grown by each of
-    `offsets` [K] (the steps of a decode run; engine/coast.py). Trained-physics depends on the
-    batch only through integer sums, so this is O(K) rather than O(K x slots). Roofline sums
-    per-request floats: each step is evaluated on its own, as a single step would be (a
-    vectorized [K, slots] evaluation may round its sums differently)."""
-    offsets = jnp.asarray(offsets, jnp.int64)
-    if model.kind == "trained-physics":
-        count = jnp.sum(feats.decode).astype(jnp.int64)
-        ctx = jnp.sum(jnp.where(feats.decode, feats.progress, 0)) + offsets * count
-        x = trained_physics.step_time_of_sums(model, trained_physics.decode_sums(count, ctx))
-        x = jnp.where(count > 0, x, 0.0)
-    else:
-        x = jax.lax.map(lambda o: step_time_float(model, dataclasses.replace(feats, progress=feats.progress + o)),
-                        offsets)
+    `offsets` [K] (the steps of a decode run; engine/coast.py)."""
+    x = model.decode_run_step_times(feats, jnp.asarray(offsets, jnp.int64))
     return jnp.maximum(jnp.int64(1), truncate_us(x))
 
 
