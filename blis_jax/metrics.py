@@ -20,7 +20,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from blis_jax.engine.output import (
+from blis_jax.engine.output import SimOutput, is_completed
+from blis_jax.engine.status import (
     GATEWAY_EXPIRED,
     GATEWAY_QUEUED,
     GATEWAY_REJECTED,
@@ -31,8 +32,6 @@ from blis_jax.engine.output import (
     REJECTED,
     RUNNING,
     TIMED_OUT,
-    SimOutput,
-    is_completed,
 )
 from blis_jax.errors import ConfigError
 from blis_jax.workload.requests import RequestSet

@@ -46,3 +46,17 @@ def test_the_check_sees_every_import_form(tmp_path):
     clean = tmp_path / "clean.py"
     clean.write_text("from blis_jax import scenario\nimport blis_jax.client_like\n")
     assert cli_imports(clean) == []
+
+
+def test_building_the_cli_parser_loads_no_optional_heavy_library():
+    """Every command (`run --help` included) builds the whole parser: the optimiser, plotting,
+    HTTP and SciPy libraries load only in the commands that use them (start-up time, #20)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from blis_jax.cli import app; app.build_parser(); "
+            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules} & {'optax', 'matplotlib', 'aiohttp', 'scipy'})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == []

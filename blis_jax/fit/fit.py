@@ -42,7 +42,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from blis_jax.config.coefficients import NUM_ALPHA, Coefficients, padded_alpha
 from blis_jax.errors import ConfigError, SimulationFailed
@@ -463,6 +462,8 @@ def trust_box(theta: np.ndarray, free: Sequence[int], lo: np.ndarray, hi: np.nda
 
 def _adam_fit(u0, means0, jac, cross, obs, theta0, free_idx, lo, width, lr, steps: int):
     """Adam over u (θ[free] = lo + width·sigmoid(u)); returns (best u, its loss)."""
+    import optax  # here: every CLI command's parser imports this module, only `fit` optimises
+
 
     def objective(u):
         theta = theta0.at[free_idx].set(lo + width * jax.nn.sigmoid(u))
