@@ -60,3 +60,22 @@ def test_building_the_cli_parser_loads_no_optional_heavy_library():
                           cwd=PACKAGE.parent)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == []
+
+
+# Modules that are also small tools of their own (`python -m ...`), whose flags build nothing
+# the library uses: the golden pins writer and the local OpenAI-compatible test server.
+OWN_TOOLS = {PACKAGE / "golden.py", PACKAGE / "observe" / "testserver.py"}
+
+
+def test_only_the_cli_and_stand_alone_tools_parse_flags():
+    """No library module builds a scenario from command-line flags: argparse lives in the CLI."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if (PACKAGE / "cli") in path.parents or path in ENTRY_POINTS | OWN_TOOLS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) else [])
+            if "argparse" in names:
+                offenders.append(str(path.relative_to(PACKAGE)))
+    assert offenders == []

@@ -16,7 +16,7 @@ from blis_jax.observe.records import itl_records
 from blis_jax.observe.sessions import LiveSessions, parse_think_time_dist, think_sampler
 from blis_jax.observe.testserver import OpenAITestServer, ServerConfig
 from blis_jax.observe.warmup import prewarm
-from blis_jax.observe.workload import build_workload
+from blis_jax.cli.observe import build_workload
 
 FAST = ServerConfig(ttft_ms=1.0, itl_ms=0.0)
 
@@ -35,10 +35,9 @@ def dispatch(w, config=FAST, **kw):
     return run(_dispatch(w, config, **kw))
 
 
-def spec_workload(spec: dict, **flags) -> object:
-    args = argparse.Namespace(workload_spec="", concurrency=0, seed=None, num_requests=0, horizon=0, **flags)
-    from blis_jax.observe.workload import _from_spec
-    return _from_spec(spec, args, label="spec.yaml")
+def spec_workload(spec: dict, seed=None, num_requests=0, horizon=0) -> object:
+    from blis_jax.observe.workload import from_spec
+    return from_spec(spec, seed, num_requests, horizon, label="spec.yaml")
 
 
 def test_e11_open_loop_exact_sequence_with_one_slot():

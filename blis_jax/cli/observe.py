@@ -20,9 +20,12 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from blis_jax.errors import ConfigError
+
+if TYPE_CHECKING:
+    from blis_jax.observe.workload import ObservedWorkload
 
 API_FORMATS = ("completions", "chat")
 
@@ -199,6 +202,43 @@ def _check_lengths(args) -> None:
 # ------------------------------------------------------------------------------- the run
 
 
+def build_workload(args, diag) -> ObservedWorkload:
+    """The workload of observe's flags (validated beforehand by `validate`)."""
+    from blis_jax.observe import workload as ow
+    from blis_jax.workload.distribution import OUTPUT_DEFAULT, PROMPT_DEFAULT
+
+    if args.workload_spec:
+        return ow.from_spec(args.workload_spec, args.seed, args.num_requests, args.horizon, label=args.workload_spec)
+    seed = 42 if args.seed is None else args.seed
+    if args.concurrency and args.concurrency > 0:
+        spec = ow.concurrency_spec(args.concurrency, 1000 * int(args.think_time_ms or 0), seed, args.num_requests or 0,
+                                   prompt=_flag_lengths(args, "prompt", PROMPT_DEFAULT) or PROMPT_DEFAULT,
+                                   output=_flag_lengths(args, "output", OUTPUT_DEFAULT) or OUTPUT_DEFAULT,
+                                   prefix_tokens=args.prefix_tokens or 0)
+        return ow.from_spec(spec, args.seed, args.num_requests, args.horizon, label=None)
+    from blis_jax.scenario import SyntheticWorkload
+
+    ow.check_bounded(args.num_requests, args.horizon)
+    synthetic = SyntheticWorkload(kind=args.workload or "distribution", rate=args.rate,
+                                  num_requests=args.num_requests or 0, timeout_s=-1.0, prefix_tokens=args.prefix_tokens,
+                                  prompt=_flag_lengths(args, "prompt", PROMPT_DEFAULT),
+                                  output=_flag_lengths(args, "output", OUTPUT_DEFAULT))
+    return ow.from_synthetic(synthetic, seed, args.horizon or None,
+                             label=f"preset:{args.workload}" if args.workload else None,
+                             warn=diag.warn if diag is not None else None)
+
+
+def _flag_lengths(args, kind: str, default):
+    """The length distribution of run's four `--{kind}-tokens*` flags, None when none is given."""
+    from blis_jax.workload.distribution import GaussianLength
+
+    values = [getattr(args, f"{kind}_tokens{s}") for s in ("", "_stdev", "_min", "_max")]
+    if all(v is None for v in values):
+        return None
+    return GaussianLength(*(d if v is None else v for v, d in zip(values, (default.mean, default.std,
+                                                                            default.min, default.max))))
+
+
 class _Log:
     def __init__(self, stream: TextIO, level: str) -> None:
         self.stream, self.level = stream, level
@@ -212,8 +252,6 @@ class _Log:
 def cmd_observe(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     from blis_jax.cli.scenario_flags import FLAG_OF_FIELD
     from blis_jax.naming import naming
-    from blis_jax.observe.workload import build_workload
-
     parsed = validate(args, diag)
     log = _Log(stderr, args.log)
     with naming(FLAG_OF_FIELD):  # observe's workload flags are run's

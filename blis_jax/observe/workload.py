@@ -3,10 +3,13 @@
 Four sources, one result (`ObservedWorkload`: a RequestSet whose static rows are sent at their
 arrival, plus session links for closed-loop follow-ups):
 
-* `--workload-spec FILE` → `workload.generate.generate_workload(..., sessions="first_round")`;
-* `--workload PRESET --rate R` and `--rate R` (distribution) → a `SyntheticWorkload` and
-  `scenario.resolve.distribution_workload`, as `run` builds it, then `generate_distribution`;
-* `--concurrency N` → a one-client spec with `concurrency: N` users (the spec path above).
+* a workload spec (`--workload-spec FILE`) → `from_spec`: `workload.generate.generate_workload(...,
+  sessions="first_round")`;
+* `run`'s own workload (`--workload PRESET --rate R`, `--rate R`) → `from_synthetic`: a
+  `SyntheticWorkload` and `scenario.resolve.distribution_workload`, as `run` builds it;
+* `--concurrency N` users → `concurrency_spec`, a one-client spec, then `from_spec`.
+
+The CLI (`cli/observe.py`) maps observe's flags onto these.
 
 Observe differs from `run` in two ways (BLIS): no client timeout is pushed into the workload
 (deadlines only from the spec), and the request cap defaults to 0 (unbounded; a horizon or
@@ -21,7 +24,6 @@ tokens, then fresh IDs (spec §4.7).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import numpy as np
@@ -97,77 +99,55 @@ def follow_up_ids(seed: int, row: int, length: int, previous: list[int] | None, 
     return head + fresh_ids(seed, row, length - len(head), round_index)
 
 
-# --------------------------------------------------------------------------- from flags
+# --------------------------------------------------------------------------- sources
 
 
-def build_workload(args: argparse.Namespace, diag) -> ObservedWorkload:
-    """The workload of observe's flags (validated beforehand by `cli.observe.validate`)."""
-    if args.workload_spec:
-        return _from_spec(args.workload_spec, args, label=args.workload_spec)
-    if args.concurrency and args.concurrency > 0:
-        return _from_spec(_concurrency_spec(args), args, label=None)
-    return _from_distribution(args, diag)
-
-
-def _from_distribution(args, diag) -> ObservedWorkload:
-    from blis_jax.scenario import SyntheticWorkload
+def from_synthetic(synthetic, seed: int, horizon_us: int | None, label: str | None = None,
+                   warn=None) -> ObservedWorkload:
+    """`run`'s own workload (a `scenario.SyntheticWorkload`: distribution or preset), as `run`
+    builds it; observe passes `timeout_s` < 0 (no client deadline) and 0 requests = unbounded.
+    `label` is the trace header's `workload_spec` (BLIS: `preset:NAME`)."""
     from blis_jax.scenario.resolve import distribution_workload
 
-    seed = 42 if args.seed is None else args.seed
-    check_bounded(args, 0, 0)
-    synthetic = SyntheticWorkload(kind=args.workload or "distribution", rate=args.rate,
-                                  num_requests=args.num_requests or 0, timeout_s=-1.0, prefix_tokens=args.prefix_tokens,
-                                  prompt=_given_lengths(args, "prompt", PROMPT_DEFAULT),
-                                  output=_given_lengths(args, "output", OUTPUT_DEFAULT))
-    workload = distribution_workload(synthetic, args.horizon or None, warn=diag.warn if diag is not None else None)
+    check_bounded(synthetic.num_requests, horizon_us)
+    workload = distribution_workload(synthetic, horizon_us or None, warn=warn)
     requests = generate_distribution(workload, seed)
     groups = {SHARED_PREFIX_GROUP: workload.prefix_tokens} if workload.prefix_tokens > 0 else {}
     return ObservedWorkload(requests=requests, links=SessionLinks.none(len(requests)), seed=seed,
-                            workload_spec=f"preset:{args.workload}" if args.workload else None,
+                            workload_spec=label,
                             prefix_lengths=groups, accumulate=())
 
 
-def _given_lengths(args, kind: str, default: GaussianLength) -> GaussianLength | None:
-    """The length distribution of run's four flags, None when none is given (the defaults)."""
-    values = [getattr(args, f"{kind}_tokens{s}") for s in ("", "_stdev", "_min", "_max")]
-    if all(v is None for v in values):
-        return None
-    return GaussianLength(*(d if v is None else v for v, d in zip(values, (default.mean, default.std,
-                                                                            default.min, default.max))))
+def _length_dist(length: GaussianLength) -> dict:
+    return {"type": "gaussian", "params": {"mean": float(length.mean), "std_dev": float(length.std),
+                                           "min": int(length.min), "max": int(length.max)}}
 
 
-def _length_dist(mean, std, lo, hi) -> dict:
-    return {"type": "gaussian", "params": {"mean": float(mean), "std_dev": float(std), "min": int(lo), "max": int(hi)}}
+def concurrency_spec(concurrency: int, think_time_us: int, seed: int, num_requests: int,
+                     prompt: GaussianLength = PROMPT_DEFAULT, output: GaussianLength = OUTPUT_DEFAULT,
+                     prefix_tokens: int = 0) -> dict:
+    """The workload spec v2 of `concurrency` users of one client (BLIS's --concurrency)."""
+    client = {"id": DISTRIBUTION_CLIENT, "concurrency": int(concurrency), "think_time_us": int(think_time_us),
+              "input_distribution": _length_dist(prompt), "output_distribution": _length_dist(output)}
+    if prefix_tokens > 0:
+        client.update(prefix_group=SHARED_PREFIX_GROUP, prefix_length=int(prefix_tokens))
+    return {"version": "2", "seed": int(seed), "num_requests": int(num_requests), "clients": [client]}
 
 
-def _flag_lengths(args, kind: str, default) -> dict:
-    """A length distribution from run's four flags (None = the default)."""
-    values = [getattr(args, f"{kind}_tokens{s}") for s in ("", "_stdev", "_min", "_max")]
-    return _length_dist(*(d if v is None else v for v, d in zip(values, (default.mean, default.std,
-                                                                          default.min, default.max))))
-
-
-def _concurrency_spec(args) -> dict:
-    client = {"id": DISTRIBUTION_CLIENT, "concurrency": int(args.concurrency),
-              "think_time_us": 1000 * int(args.think_time_ms or 0),
-              "input_distribution": _flag_lengths(args, "prompt", PROMPT_DEFAULT),
-              "output_distribution": _flag_lengths(args, "output", OUTPUT_DEFAULT)}
-    if args.prefix_tokens and args.prefix_tokens > 0:
-        client.update(prefix_group=SHARED_PREFIX_GROUP, prefix_length=int(args.prefix_tokens))
-    return {"version": "2", "seed": 42 if args.seed is None else int(args.seed),
-            "num_requests": int(args.num_requests or 0), "clients": [client]}
-
-
-def _from_spec(source, args, label: str | None) -> ObservedWorkload:
+def from_spec(source, seed: int | None, num_requests: int | None, horizon_us: int | None,
+              label: str | None) -> ObservedWorkload:
+    """A workload spec v2 (a YAML path or a parsed mapping); `num_requests` and `horizon_us`
+    override the spec's, `seed` None keeps the spec's own. `label` is the trace header's
+    `workload_spec`."""
     from blis_jax.workload.generate import generate_workload
     from blis_jax.workload.inference_perf import expand_inference_perf
     from blis_jax.workload.sessions import closed_loop_requests
     from blis_jax.workload.spec import load_spec, parse_spec
 
     spec = load_spec(source) if isinstance(source, str) else parse_spec(source)
-    check_bounded(args, spec.num_requests or 0, spec.horizon or 0)
-    generated = generate_workload(spec, args.seed, num_requests=args.num_requests or None,
-                                  horizon_us=args.horizon or None, timeout_s=None, sessions="first_round")
+    check_bounded(num_requests or spec.num_requests or 0, horizon_us or spec.horizon or 0)
+    generated = generate_workload(spec, seed, num_requests=num_requests or None,
+                                  horizon_us=horizon_us or None, timeout_s=None, sessions="first_round")
     expanded = expand_inference_perf(spec)
     # prefix strings for every group a listed client names (the last client's length wins);
     # cohort members are not listed, so their groups get none (BLIS)
@@ -184,6 +164,7 @@ def _from_spec(source, args, label: str | None) -> ObservedWorkload:
                             num_sessions=links.num_sessions, horizon_us=spec.horizon or None)
 
 
-def check_bounded(args, spec_num_requests: int, spec_horizon: int) -> None:
-    if (args.num_requests or spec_num_requests) <= 0 and not (args.horizon or spec_horizon):
+def check_bounded(num_requests: int | None, horizon_us: int | None) -> None:
+    """Generation must be bounded by a request count or a horizon (BLIS's message)."""
+    if (num_requests or 0) <= 0 and not horizon_us:
         raise ConfigError("Workload requires either num_requests, --num-requests, or --horizon to bound generation")
