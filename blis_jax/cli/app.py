@@ -45,7 +45,7 @@ from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
 from blis_jax.errors import ConfigError, SimulationFailed
 from blis_jax.io_safety import atomic_write_text, check_command_paths, short
 from blis_jax.naming import naming
-from blis_jax.scenario import ResolvedScenario, ScenarioConfig, SimulationResult, resolve, resolve_deployment, simulate
+from blis_jax.scenario import ResolvedScenario, SimulationResult, resolve, resolve_deployment, simulate
 from blis_jax.scenario.config import (
     DEFAULT_HARDWARE,
     DEFAULT_MODEL,
@@ -532,8 +532,7 @@ def _check_output_paths(args) -> None:
 def resolve_scenario(args, diag: Diagnostics, horizon_us: int | None) -> ResolvedScenario:
     """The deployment of `run`'s or `replay`'s flags, without requests, at `horizon_us`."""
     with naming(FLAG_OF_FIELD):
-        config = ScenarioConfig(deployment=scenario_flags.deployment(args), engine=scenario_flags.engine_settings(args),
-                                cluster=scenario_flags.cluster(args), seed=int(args.seed) if _seed_given(args) else None)
+        config = scenario_flags.scenario_config(args, seed_given=_seed_given(args))
         return resolve_deployment(config, horizon_us=horizon_us, warn=diag.warn)
 
 
