@@ -32,6 +32,7 @@ import dataclasses
 
 import numpy as np
 
+from blis_jax import limits
 from blis_jax.errors import ConfigError
 from blis_jax.workload.distribution import MAX_GENERATED_REQUESTS
 from blis_jax.workload.requests import RequestSet, make_request_set
@@ -163,6 +164,9 @@ def _concurrency_requests(workload) -> tuple[RequestSet, SessionLinks]:
     if budget * len(plans) > MAX_GENERATED_REQUESTS:
         raise ConfigError(f"num_requests: {budget} follow-ups for each of {len(plans)} concurrency users "
                           f"exceed the limit of {MAX_GENERATED_REQUESTS} rows; lower num_requests")
+    # every user has a row for every follow-up the budget allows (any one user may take them all)
+    limits.check_requests(n0 + budget * len(plans), f"lower num_requests ({budget} follow-up rows for each of "
+                          f"{len(plans)} concurrency users)")
     if budget == 0:
         return base, dataclasses.replace(SessionLinks.none(n0), session_slot=slot, think_time_us=think,
                                          num_sessions=len(plans))
