@@ -113,9 +113,6 @@ def test_users_run_closed_loop_until_num_requests():
     assert summary.sessions == 4 and summary.ttft_cold[4] == 4 and summary.ttft_warm[4] == 20
 
 
-@pytest.mark.xfail(strict=True, reason="follow-up pool row k takes user k mod U's lengths (exact only when users "
-                                        "complete in turn); BLIS draws each user's follow-ups from that user's own "
-                                        "stream (blis-rng §6.2, §7): needs per-user rows and a global budget counter")
 def test_each_user_draws_its_follow_ups_from_its_own_stream():
     """BLIS: user u's k-th follow-up takes the k-th lengths of u's blueprint stream, whatever
     order the users complete in (blis-rng §7 step 5). Here the users' rounds have random lengths,

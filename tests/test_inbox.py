@@ -27,7 +27,7 @@ def empty_instance(window: int):
     values = dict(arrival=z, input_len=z + 1, output_len=z, deadline=z, prefix_group=jnp.full(N, -1, jnp.int32),
                   shared_blocks=z, priority=z, wait_rank=z, follow_up=jnp.zeros(N, bool),
                   next_round=jnp.full(N, -1, jnp.int32), think_time=z, follow_timeout=z,
-                  session_slot=jnp.full(N, -1, jnp.int32), pool_base=jnp.full(N, -1, jnp.int32),
+                  session_slot=jnp.full(N, -1, jnp.int32), follow_budget=jnp.asarray(-1, jnp.int64),
                   valid=jnp.ones(N, bool))
     req = RequestArrays(**{f.name: values[f.name] for f in dataclasses.fields(RequestArrays)})
     state = init_state(dims, req, jnp.full(N, INF_TIME, jnp.int64), jnp.asarray(INF_TIME), jnp.asarray(16))

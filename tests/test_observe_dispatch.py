@@ -133,6 +133,13 @@ def test_e12_concurrency_users_seeds_and_budget():
     for r in sorted(records, key=lambda r: r.index):
         by_user.setdefault(r.planned.session_id, []).append(r.planned.round_index)
     assert all(rounds == list(range(len(rounds))) for rounds in by_user.values())
+    # a user's round k is the k-th row of its own chain (its own lengths, blis-rng §7 step 5),
+    # whichever users completed first
+    rows = {}
+    for r in records:
+        rows.setdefault(r.planned.session_id, {})[r.planned.round_index] = r.planned.row
+    for chain in rows.values():
+        assert all(chain[k] == w.links.next_round[chain[k - 1]] for k in range(1, len(chain)))
 
 
 def test_concurrency_user_removed_after_a_failure():

@@ -14,13 +14,11 @@ round is generated only when the previous one completes.
 * Timeout or drop ends the session: nothing is generated.
 
 Concurrency users (unlimited rounds under a global follow-up budget) are sessions too, one slot
-per user. Which user gets the k-th follow-up depends on completion order, so their follow-ups
-are a pool of rows per client (lengths drawn up front, `pool_base` = the pool's first row):
-the k-th follow-up generated (k = `follow_ups`) is pool row `pool_base + k` of the completing
-user's client; once k reaches the pool size (the budget) nothing more is generated. A pool
-row has no static slot (`slot_of` finds it), and the loop records the slot that took each pool
-row in `pool_user`, and the generation order of every follow-up in `follow_seq` (both write-only,
-for the host: `settle_sessions`).
+per user, each with its own chain of rounds (its own lengths, whatever order the users complete
+in; workload/sessions.py): a completion generates the next round only while the follow-ups
+generated so far (`follow_ups`, all sessions together) are fewer than `req.follow_budget`. The
+loop records the generation order of every follow-up in `follow_seq` (write-only, for the host:
+`settle_sessions`).
 """
 
 from __future__ import annotations
@@ -54,17 +52,6 @@ def take_pending_round(state: EngineState, slot, active) -> EngineState:
     return dataclasses.replace(state, sess_enqueue=state.sess_enqueue.at[at].set(INF_TIME, mode="drop"))
 
 
-def slot_of(state: EngineState, req: RequestArrays, r):
-    """Session slot of request r, -1 none: static, except for a concurrency user's pool row,
-    whose slot is the one holding it as its pending or in-flight round (`sess_req`; a user has
-    one request at a time). Searched, not read from `pool_user`: reading that per-request array
-    in the loop that writes it made XLA copy it there."""
-    static = req.session_slot[r]
-    hit = state.sess_req == r
-    pooled = jnp.where(jnp.any(hit), jnp.argmax(hit), -1).astype(static.dtype)
-    return jnp.where(static >= 0, static, jnp.where(req.pool_base[r] >= 0, pooled, -1))
-
-
 def deadline_of(state: EngineState, req: RequestArrays, r):
     """Absolute deadline of request r (0 = none): a follow-up's is its arrival + its timeout.
     Computed, not stored: writing a per-request deadline array in the completion loop made XLA
@@ -78,7 +65,7 @@ def arm_timeout(state: EngineState, params: EngineParams, req: RequestArrays, r,
     """A follow-up joined the queue: its timeout fires at its deadline if 0 < deadline ≤ horizon."""
     deadline = deadline_of(state, req, r)
     arm = active & req.follow_up[r] & (deadline > 0) & (deadline <= params.horizon_us)
-    at = jnp.where(arm, slot_of(state, req, r), state.sess_deadline.shape[0])
+    at = jnp.where(arm, req.session_slot[r], state.sess_deadline.shape[0])
     return dataclasses.replace(
         state,
         sess_deadline=state.sess_deadline.at[at].set(deadline, mode="drop"),
@@ -93,20 +80,16 @@ def disarm_timeout(state: EngineState, slot, active) -> EngineState:
 
 def on_completion(state: EngineState, params: EngineParams, req: RequestArrays, model, r, done_at, active):
     """Request r completed at `done_at` (its step's end): generate its session's next round
-    (a concurrency user's: the next pool row of its client, while the budget lasts)."""
-    n = req.pool_base.shape[0]
-    slot = slot_of(state, req, r)
+    (a concurrency user's: while the global follow-up budget lasts)."""
+    n = req.next_round.shape[0]
+    slot = req.session_slot[r]
     in_session = active & (slot >= 0)
-    base = req.pool_base[r].astype(jnp.int64)
-    pooled = base >= 0
-    k_row = base + state.follow_ups
-    k_safe = jnp.minimum(k_row, n - 1)
-    in_pool = (k_row < n) & (req.pool_base[k_safe] == base) & req.follow_up[k_safe]
-    nxt = jnp.where(pooled, jnp.where(in_pool, k_row, -1), req.next_round[r])
+    nxt = req.next_round[r]
+    within_budget = (req.follow_budget < 0) | (state.follow_ups < req.follow_budget)
     # the completed round's own timeout is lazily cancelled (it would be discarded anyway)
     state = disarm_timeout(state, jnp.maximum(slot, 0), in_session & req.follow_up[r])
     arrival = done_at + req.think_time[r]
-    generate = in_session & (nxt >= 0) & (arrival <= params.horizon_us)
+    generate = in_session & (nxt >= 0) & within_budget & (arrival <= params.horizon_us)
     nxt_safe = jnp.maximum(nxt, 0)
     slot_at = jnp.where(generate, slot, state.sess_enqueue.shape[0])
     enqueue = arrival + latency.queueing_time_us(model, req.input_len[nxt_safe])
@@ -120,8 +103,6 @@ def on_completion(state: EngineState, params: EngineParams, req: RequestArrays, 
         sess_req=state.sess_req.at[slot_at].set(nxt.astype(jnp.int32), mode="drop"),
         sess_seq=state.sess_seq.at[slot_at].set(state.follow_ups, mode="drop"),
         follow_ups=state.follow_ups + generate,
-        pool_user=state.pool_user.at[jnp.where(generate & pooled, nxt_safe, n)].set(slot.astype(jnp.int32),
-                                                                                   mode="drop"),
         # the trace lists same-tick arrivals in generation order (blis-rng §12)
         follow_seq=state.follow_seq.at[jnp.where(generate, nxt_safe, n)].set(state.follow_ups, mode="drop"),
     )

@@ -74,7 +74,7 @@ def request_arrays(requests: RequestSet, dims: EngineDims, sessions: SessionLink
         think_time=pad(links.think_time_us, 0, np.int64),
         follow_timeout=pad(links.timeout_us, 0, np.int64),
         session_slot=pad(links.session_slot, -1, np.int32),
-        pool_base=pad(links.pool_rows(), -1, np.int32),
+        follow_budget=jnp.asarray(links.follow_budget, jnp.int64),
         valid=pad(np.ones(n, bool), False, bool),
     )
 
@@ -216,9 +216,8 @@ def simulate_sessions(
                           "order the queue by arrival time, which a follow-up round only gets during the run)")
     state, dims, code, itl_reader = _drive(requests, sessions, params, model, **kwargs)
     out = to_output(state, dims, params, requests, code, itl_reader)
-    arrival, pool_user, follow_seq = (np.asarray(a)[: len(requests)] for a in jax.device_get(
-        (state.arrival, state.pool_user, state.follow_seq)))
-    rows, settled = settle_sessions(requests, sessions, arrival, pool_user, follow_seq)
+    arrival, follow_seq = (np.asarray(a)[: len(requests)] for a in jax.device_get((state.arrival, state.follow_seq)))
+    rows, settled = settle_sessions(requests, sessions, arrival, follow_seq)
     return settled, out.take(rows)
 
 
@@ -237,9 +236,9 @@ def simulate_traced(
     state, dims, code, itl_reader = _drive(requests, links, params, model, events_per_chunk=events_per_chunk,
                                            trace_steps=True, **kwargs)
     out = to_output(state, dims, params, requests, code, itl_reader)
-    host = jax.device_get((state.arrival, state.out_first_step, state.pool_user, state.follow_seq))
+    host = jax.device_get((state.arrival, state.out_first_step, state.follow_seq))
     rows, settled = settle_sessions(requests, links, np.asarray(host[0])[: len(requests)],
-                                    np.asarray(host[2])[: len(requests)], np.asarray(host[3])[: len(requests)])
+                                    np.asarray(host[2])[: len(requests)])
     start, duration, basis = itl_reader.step_trace()
     return settled, out.take(rows), (start, duration, basis, np.asarray(host[1])[: len(requests)][rows])
 

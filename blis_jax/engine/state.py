@@ -70,8 +70,8 @@ class RequestArrays(eqx.Module):
     next_round: Int32[Array, " N"]  # row of this request's next round, -1 none
     think_time: Int64[Array, " N"]  # completion → next round's arrival (µs)
     follow_timeout: Int64[Array, " N"]  # follow-up deadline relative to its arrival (µs), 0 none
-    session_slot: Int32[Array, " N"]  # session of the request, -1 none (a pool row: see pool_user)
-    pool_base: Int32[Array, " N"]  # concurrency user: first row of its client's follow-up pool, -1 none
+    session_slot: Int32[Array, " N"]  # session of the request, -1 none
+    follow_budget: Int64[Array, ""]  # follow-ups the loop may generate in all (concurrency users), -1 no limit
     valid: Bool[Array, " N"]
 
 
@@ -100,7 +100,6 @@ class EngineState(eqx.Module):
     sess_deadline: Int64[Array, " U"]  # timeout of the in-flight follow-up, INF none
     sess_live: Int32[Array, " U"]
     follow_ups: Int64[Array, ""]  # rounds generated so far
-    pool_user: Int32[Array, " N"]  # session slot that took each follow-up pool row, -1 none (write-only)
     follow_seq: Int64[Array, " N"]  # generation order of each follow-up generated, -1 none (write-only)
 
     # in-flight requests, by enqueue position modulo W
@@ -235,7 +234,6 @@ def init_state(
         sess_deadline=jnp.full(dims.sessions, INF_TIME, jnp.int64),
         sess_live=jnp.full(dims.sessions, -1, jnp.int32),
         follow_ups=i64(0),
-        pool_user=jnp.full(n, -1, jnp.int32),
         follow_seq=jnp.full(n, -1, jnp.int64),
         win_status=jnp.zeros(w, jnp.int32),
         win_row=jnp.full(w, -1, jnp.int32),

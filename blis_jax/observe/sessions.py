@@ -1,8 +1,8 @@
 """Closed-loop sessions driven by real completions (spec §6.3).
 
 The rounds' lengths come from the project's session generator (`workload.sessions.
-closed_loop_requests`: one row per later round of a multi-turn session, a pool of rows per
-concurrency client), exactly as the simulator gets them; here only the *timing* is live: when a
+closed_loop_requests`: one row per later round of a multi-turn session or of a concurrency
+user), exactly as the simulator gets them; here only the *timing* is live: when a
 session request completes `ok`, its next round arrives at completion offset + think time.
 A non-`ok` result ends the session (and removes a concurrency user for good), as does the last
 round, the spent follow-up budget, or an arrival beyond the horizon.
@@ -43,8 +43,7 @@ class LiveSessions:
         self.w = workload
         self.horizon_us = horizon_us
         self.think_sampler = think_sampler   # (session slot) → think µs, or None: the blueprint's
-        self.follow_ups = 0                  # global count of concurrency follow-ups generated
-        self._pool = workload.links.pool_rows()
+        self.follow_ups = 0                  # follow-ups generated, against links.follow_budget
 
     def planned_static(self, row: int) -> Planned:
         r = self.w.requests
@@ -63,24 +62,18 @@ class LiveSessions:
         if not ok or done.session_slot < 0:
             return None
         links, r = self.w.links, self.w.requests
-        base = int(self._pool[done.row])
-        if base >= 0:  # concurrency user: the next row of its client's pool while the budget lasts
-            nxt = base + self.follow_ups
-            n = len(r)
-            if nxt >= n or self._pool[nxt] != base or not links.follow_up[nxt]:
-                return None
-            self.follow_ups += 1
-        else:
-            nxt = int(links.next_round[done.row])
-            if nxt < 0:
-                return None
+        nxt = int(links.next_round[done.row])
+        # concurrency users: while the global follow-up budget lasts (blis-rng §7 step 3)
+        if nxt < 0 or 0 <= links.follow_budget <= self.follow_ups:
+            return None
         think = (self.think_sampler(done.session_slot) if self.think_sampler is not None
                  else int(links.think_time_us[done.row]))
         arrival = completion_offset_us + think
         if self.horizon_us is not None and arrival > self.horizon_us:
             return None
+        self.follow_ups += 1
         timeout = int(links.timeout_us[nxt])
-        accumulate = base < 0 and done.session_slot < len(self.w.accumulate) and self.w.accumulate[done.session_slot]
+        accumulate = done.session_slot < len(self.w.accumulate) and self.w.accumulate[done.session_slot]
         group = r.prefix_group_names[r.prefix_group[nxt]] if r.prefix_group[nxt] >= 0 else ""
         prefix = group_token_ids(self.w.seed, group, int(r.prefix_len[nxt])) if group else []
         ids = follow_up_ids(self.w.seed, nxt, int(r.input_len[nxt]), done.token_ids if accumulate else None,

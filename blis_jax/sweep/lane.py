@@ -156,6 +156,5 @@ class SessionLane(InstanceLane):
         if self.links is None:
             return self.requests, out
         rows, settled = settle_sessions(self.requests, self.links, np.asarray(state.arrival)[: len(self.requests)],
-                                        np.asarray(state.pool_user)[: len(self.requests)],
                                         np.asarray(state.follow_seq)[: len(self.requests)])
         return settled, out.take(rows)

@@ -19,14 +19,11 @@ completion brings the user's next request a think time later, until the global f
 budget num_requests − (initial requests) is spent (so at most num_requests requests in all),
 the horizon interrupts the user, or a request of the user times out or is dropped (that ends
 the user, as it cancels a multi-turn session: BLIS runs both through one session manager).
-Which user takes the k-th follow-up depends on completion order, so each concurrency client
-gets a pool of `budget` rows whose lengths are fixed now: pool row j holds follow-up j // U of
-user j mod U, from that user's own Go stream (blis-rng §6.2); the loop gives the k-th follow-up
-generated to pool row k of the completing user's client and records the user
-(engine/sessions.py). BLIS draws each user's follow-ups in that user's order, so lengths match
-BLIS's only as far as users complete in turn (a known approximation; multi-turn sessions are
-exact). `settle_sessions` maps the pool rows that were used back
-to their users (session id, round index); unused rows (budget not spent) never existed.
+BLIS draws user u's k-th follow-up from u's own Go stream whatever order the users complete in
+(blis-rng §6.2, §7 step 5), and any one user may take the whole budget, so each user gets a
+chain of `budget` rows (row k: its round k + 1, lengths drawn now) linked like a multi-turn
+session's rounds; the loop counts follow-ups against the budget (`SessionLinks.follow_budget`,
+engine/sessions.py). Rows beyond what the run generated never existed (`settle_sessions`).
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ import dataclasses
 
 import numpy as np
 
+from blis_jax import limits
 from blis_jax.errors import ConfigError
 from blis_jax.workload.distribution import MAX_GENERATED_REQUESTS
 from blis_jax.workload.requests import RequestSet, make_request_set
@@ -51,19 +49,15 @@ class SessionLinks:
     next_round: np.ndarray      # int64 row of the next round, -1 none
     think_time_us: np.ndarray   # int64 completion → next round's arrival
     timeout_us: np.ndarray      # int64 follow-up deadline relative to its arrival, 0 none
-    session_slot: np.ndarray    # int64 session index, -1 none (and for pool rows)
+    session_slot: np.ndarray    # int64 session index, -1 none
     num_sessions: int
-    # concurrency users and their follow-up pool rows: first row of the client's pool, -1 none
-    # (None: no concurrency users)
-    pool_base: np.ndarray | None = None
+    # follow-ups the loop may generate in all (concurrency users' budget, blis-rng §6.2), -1 no limit
+    follow_budget: int = -1
 
     @staticmethod
     def none(n: int) -> SessionLinks:
         return SessionLinks(np.zeros(n, bool), np.full(n, -1, np.int64), np.zeros(n, np.int64),
                             np.zeros(n, np.int64), np.full(n, -1, np.int64), 0)
-
-    def pool_rows(self) -> np.ndarray:
-        return self.pool_base if self.pool_base is not None else np.full(len(self.follow_up), -1, np.int64)
 
 
 def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
@@ -84,7 +78,7 @@ def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
     think = np.zeros(n0, np.int64)
     for s, p in enumerate(plans):
         slot[p.request_id], think[p.request_id] = s, p.think_time_us
-    rows = _follow_up_rows(workload, plans)
+    rows = _follow_up_rows(workload, plans, np.array([max(p.max_rounds - 1, 0) for p in plans], np.int64))
     src = rows["src"]
     m = len(src)
     if m == 0:
@@ -101,30 +95,35 @@ def closed_loop_requests(workload) -> tuple[RequestSet, SessionLinks]:
         columns["prefix_group"] = np.concatenate([base.trace_columns["prefix_group"], np.full(m, "")])
         columns["prefix_length"] = np.concatenate([base.trace_columns["prefix_length"], np.full(m, "0")])
     requests = _with_follow_ups(base, src, rows["input"], rows["output"], rows["round"], columns)
-    # each round links to the next round of its session (row n0 + k is follow-up k)
+    return requests, _chain_links(plans, rows, slot, think)
+
+
+def _chain_links(plans, rows, slot, think, follow_budget: int = -1) -> SessionLinks:
+    """Links of the static rows (`slot`, `think`) and the follow-up rows after them (row n0 + k
+    is follow-up k): each round links to the next round of its session."""
+    n0, src, m = len(slot), rows["src"], len(rows["src"])
     next_round = np.full(n0 + m, -1, np.int64)
     starts = np.flatnonzero(rows["round"] == 1)
     next_round[src[starts]] = n0 + starts
     later = np.flatnonzero(rows["round"][1:] > 1)  # follow-up k + 1 continues follow-up k
     next_round[n0 + later] = n0 + later + 1
     plan_of = rows["plan"]
-    links = SessionLinks(
+    return SessionLinks(
         follow_up=np.concatenate([np.zeros(n0, bool), np.ones(m, bool)]),
         next_round=next_round,
         think_time_us=np.concatenate([think, [plans[k].think_time_us for k in plan_of]]).astype(np.int64),
         timeout_us=np.concatenate([np.zeros(n0, np.int64), [plans[k].timeout_us for k in plan_of]]).astype(np.int64),
         session_slot=np.concatenate([slot, plan_of]).astype(np.int64),
         num_sessions=len(plans),
+        follow_budget=follow_budget,
     )
-    return requests, links
 
 
-def _follow_up_rows(workload, plans) -> dict[str, np.ndarray]:
-    """Rounds 1.. of every session, session by session: the lengths drawn from the session's
-    Go stream (`SessionPlan.fresh` / `output`), the input growing by the context (`accumulate`:
-    earlier rounds' fresh input and output)."""
+def _follow_up_rows(workload, plans, rounds: np.ndarray) -> dict[str, np.ndarray]:
+    """Rounds 1 … rounds[k] of every session k, session by session: the lengths drawn from the
+    session's Go stream (`SessionPlan.fresh` / `output`), the input growing by the context
+    (`accumulate`: earlier rounds' fresh input and output)."""
     base = workload.requests
-    rounds = np.array([max(p.max_rounds - 1, 0) for p in plans], np.int64)
     plan_of = np.repeat(np.arange(len(plans)), rounds)
     first_row = np.concatenate([[0], np.cumsum(rounds)[:-1]]).astype(np.int64) if len(plans) else rounds
     round_of = np.arange(len(plan_of)) - np.repeat(first_row, rounds) + 1
@@ -147,7 +146,9 @@ def _follow_up_rows(workload, plans) -> dict[str, np.ndarray]:
 
 
 def _concurrency_requests(workload) -> tuple[RequestSet, SessionLinks]:
-    """Concurrency users: their first requests (static) plus a pool of follow-up rows per client."""
+    """Concurrency users: their first requests (static) plus a chain of `budget` follow-up rows
+    per user, whose lengths are the user's own (`SessionPlan.fresh` / `output`, as many as the
+    budget, go_generator._concurrency)."""
     from blis_jax.workload import generate as g
 
     base, plans = workload.requests, workload.sessions
@@ -158,94 +159,36 @@ def _concurrency_requests(workload) -> tuple[RequestSet, SessionLinks]:
                           "num_requests − initial requests is spent; set num_requests > 0")
     budget = max(0, workload.num_requests - n0)
     slot, think = np.full(n0, -1, np.int64), np.zeros(n0, np.int64)
-    pool_base = np.full(n0, -1, np.int64)
-    by_client: dict[int, list[int]] = {}
     for s, p in enumerate(plans):
         slot[p.request_id], think[p.request_id] = s, p.think_time_us
-        by_client.setdefault(p.client_index, []).append(s)
-    if budget * len(by_client) > MAX_GENERATED_REQUESTS:
-        raise ConfigError(f"num_requests: {budget} follow-ups for each of {len(by_client)} concurrency clients "
+    if budget * len(plans) > MAX_GENERATED_REQUESTS:
+        raise ConfigError(f"num_requests: {budget} follow-ups for each of {len(plans)} concurrency users "
                           f"exceed the limit of {MAX_GENERATED_REQUESTS} rows; lower num_requests")
+    # every user has a row for every follow-up the budget allows (any one user may take them all)
+    limits.check_requests(n0 + budget * len(plans), f"lower num_requests ({budget} follow-up rows for each of "
+                          f"{len(plans)} concurrency users)")
     if budget == 0:
         return base, dataclasses.replace(SessionLinks.none(n0), session_slot=slot, think_time_us=think,
                                          num_sessions=len(plans))
-    src, inputs, outputs, reasons, links_think, links_timeout, links_base = [], [], [], [], [], [], []
-    parts: dict[str, list] = {}
-    for k, (ci, slots) in enumerate(sorted(by_client.items())):
-        p = plans[slots[0]]
-        first = n0 + k * budget
-        pool_base[[plans[s].request_id for s in slots]] = first
-        # Pool row j: follow-up j // U of user j mod U, from that user's Go stream (BLIS gives
-        # each user its own sequence; which user takes a pool row is decided in the loop).
-        users = [plans[s] for s in slots]
-        fresh = np.array([users[j % len(users)].fresh[j // len(users)] for j in range(budget)], np.int64)
-        output = np.array([users[j % len(users)].output[j // len(users)] for j in range(budget)], np.int64)
-        reason, drawn = np.zeros(budget), {}
-        src.append(np.full(budget, p.request_id, np.int64))
-        inputs.append(p.prefix_len + fresh)
-        outputs.append(output)
-        reasons.append(reason)
-        for name, values in drawn.items():
-            parts.setdefault(name, []).append(values)
-        links_think.append(np.full(budget, p.think_time_us, np.int64))
-        links_timeout.append(np.full(budget, p.timeout_us, np.int64))
-        links_base.append(np.full(budget, first, np.int64))
-    src = np.concatenate(src)
-    m = len(src)
-    columns = {}
-    for name, values in base.trace_columns.items():
-        if name == "reason_ratio":
-            pool = np.array([g._format_float(x) for x in np.concatenate(reasons)], dtype=object).astype(str)
-        elif name.endswith("_tokens") and name.removesuffix("_tokens") in parts:
-            pool = np.concatenate(parts[name.removesuffix("_tokens")]).astype(str)
-        else:
-            pool = values[src]
-        columns[name] = np.concatenate([values, pool])
-    # the user and round of a pool row are known after the run (settle_sessions)
-    requests = _with_follow_ups(base, src, np.concatenate(inputs), np.concatenate(outputs), np.ones(m, np.int64),
-                                columns)
-    links = SessionLinks(
-        follow_up=np.concatenate([np.zeros(n0, bool), np.ones(m, bool)]),
-        next_round=np.full(n0 + m, -1, np.int64),
-        think_time_us=np.concatenate([think, *links_think]),
-        timeout_us=np.concatenate([np.zeros(n0, np.int64), *links_timeout]),
-        session_slot=np.concatenate([slot, np.full(m, -1, np.int64)]),
-        num_sessions=len(plans),
-        pool_base=np.concatenate([pool_base, *links_base]),
-    )
-    return requests, links
+    rows = _follow_up_rows(workload, plans, np.full(len(plans), budget, np.int64))
+    src, m = rows["src"], len(rows["src"])
+    reason = np.array([g._format_float(x) for x in rows["reason"]], dtype=object).astype(str)
+    # the other labels are the user's first request's
+    columns = {name: np.concatenate([values, reason if name == "reason_ratio" else values[src]])
+               for name, values in base.trace_columns.items()}
+    requests = _with_follow_ups(base, src, rows["input"], rows["output"], rows["round"], columns)
+    return requests, _chain_links(plans, rows, slot, think, follow_budget=budget)
 
 
 def settle_sessions(requests: RequestSet, links: SessionLinks, arrival_us: np.ndarray,
-                    pool_user: np.ndarray | None = None, follow_seq: np.ndarray | None = None):
+                    follow_seq: np.ndarray | None = None):
     """(rows kept, final RequestSet) after a run: generated rounds get their arrival and
     deadline; rounds never generated are dropped; rows re-sorted in BLIS's cluster-arrival
     order and numbered by it, as its trace export does (blis-rng §12): by arrival, static rows
     before follow-ups of the same tick, follow-ups of one tick in generation order
-    (`follow_seq`, EngineState.follow_seq; without it, in row order). `pool_user`: the session
-    slot the engine gave each concurrency pool row it generated (EngineState.pool_user); such a
-    row takes its user's session id and the next round index."""
+    (`follow_seq`, EngineState.follow_seq; without it, in row order)."""
     arrival_us = np.asarray(arrival_us, np.int64)
     keep = ~links.follow_up | (arrival_us >= 0)
-    session_id, round_index = requests.session_id, requests.round_index
-    pooled = np.flatnonzero(keep & links.follow_up & (links.pool_rows() >= 0))
-    if len(pooled):
-        if pool_user is None:
-            raise ValueError("settle_sessions: concurrency pool rows were generated; pass the engine's pool_user")
-        user = np.asarray(pool_user, np.int64)[pooled]
-        if (user < 0).any():
-            raise ValueError("settle_sessions: a generated pool row has no user")
-        first = np.full(links.num_sessions, -1, np.int64)
-        static = np.flatnonzero(~links.follow_up & (links.session_slot >= 0))
-        first[links.session_slot[static]] = static
-        # a user's rounds in generation order: the pool rows of a client are taken in row order
-        order = np.lexsort((pooled, user))
-        grouped = user[order]
-        starts = np.r_[0, np.flatnonzero(np.diff(grouped)) + 1]
-        rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
-        session_id, round_index = session_id.copy(), round_index.copy()
-        session_id[pooled[order]] = requests.session_id[first[grouped]]
-        round_index[pooled[order]] = requests.round_index[first[grouped]] + 1 + rank
     rows = np.flatnonzero(keep)
     follow = links.follow_up[rows]
     tie = rows if follow_seq is None else np.where(follow, np.asarray(follow_seq, np.int64)[rows], rows)
@@ -258,8 +201,8 @@ def settle_sessions(requests: RequestSet, links: SessionLinks, arrival_us: np.nd
         prefix_group=np.array([requests.prefix_group_names[g] if g >= 0 else "" for g in requests.prefix_group[rows]],
                               dtype=object).astype(str) if len(rows) else np.zeros(0, "<U1"),
         prefix_len=requests.prefix_len[rows], slo_class=requests.slo_class[rows], tenant_id=requests.tenant_id[rows],
-        client_id=requests.client_id[rows], session_id=session_id[rows],
-        round_index=round_index[rows], model=requests.model[rows],
+        client_id=requests.client_id[rows], session_id=requests.session_id[rows],
+        round_index=requests.round_index[rows], model=requests.model[rows],
         trace_columns={k: v[rows] for k, v in requests.trace_columns.items()})
     return rows, settled
 
