@@ -203,8 +203,9 @@ def test_replay_matches_blis(case_id, tmp_path):
 @needs_shared
 def test_run_with_generation_args_prints_blis_run(tmp_path):
     """A01's `generation_args` through `run`: BLIS's stdout and trace.csv / trace.yaml byte for
-    byte (its replay equals the generating run). Every case: tests/test_run_blis_diff.py (slow).
-    After the A01 replay above, this reuses its compiled program (same shapes)."""
+    byte (its replay equals the generating run). Every other case -m slow: after its replay below,
+    or in tests/test_run_blis_diff.py. After the A01 replay above, this reuses its compiled
+    program (same shapes)."""
     from test_run_blis_diff import assert_run_equals_blis
 
     assert_run_equals_blis("A01", tmp_path)
@@ -266,6 +267,23 @@ def test_replay_all_single_instance_cases(case_id, tmp_path):
     assert_close(got, ref)
     assert_close(metrics_blocks(out), metrics_blocks((case_dir / "stdout.txt").read_text()), "stdout")
     assert simulate(case_config(case_dir)).report() == out   # the library API, configured in Python
+
+
+def _replayed_cases() -> list:
+    """The cases replayed above, but A01 (the default suite runs it both ways)."""
+    return [p for p in _cluster_cases() + _single_instance_cases() if p.id != "A01"]
+
+
+@needs_shared
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", _replayed_cases())
+def test_run_with_generation_args_equals_blis_run_after_the_replay(case_id, tmp_path):
+    """`run` with the case's generation_args against BLIS's run (tests/test_run_blis_diff.py,
+    which leaves these cases to this module): after the replays above, each run reuses its
+    replay's compiled program (the same shapes), which the end of this module drops."""
+    from test_run_blis_diff import assert_run_equals_blis
+
+    assert_run_equals_blis(case_id, tmp_path)
 
 
 # ---------------------------------------------------------------------------------- errors

@@ -9,7 +9,8 @@ trace, not the generating run's; its `trace.csv` is the generating run's, follow
 included, and the generating run's figures are derived from it (and from the case notes).
 
 Every case is a full simulation (~10-30 s each on 2 cores, most of it compilation), so the set is
-`slow`; the default suite runs A01 this way in test_cli.py (sharing the replay's program).
+`slow`. The cases test_cli.py replays run there, each right after its replay, whose compiled
+program it reuses (A01 in the default suite, the others -m slow); here, every other case.
 Cases that need features not built yet are strict xfails (blis_diff.case_param).
 """
 
@@ -25,17 +26,20 @@ import pytest
 from blis_jax import cli
 from blis_diff import case_param  # noqa: E402
 from shared_data import BLIS_DIFF, needs_blis_diff  # noqa: E402
-from test_cli import metrics_blocks  # noqa: E402
+from test_cli import _cluster_cases, _single_instance_cases, metrics_blocks  # noqa: E402
 
 
 def _params():
+    """Every case but those test_cli.py replays (it runs them too, sharing the replay's program)."""
     if not BLIS_DIFF.is_dir():
         return []
+    replayed = {p.id for p in _cluster_cases() + _single_instance_cases()}
     out = []
     for path in sorted(p for p in BLIS_DIFF.iterdir() if (p / "case.json").is_file()):
         case = json.loads((path / "case.json").read_text())
         cid = case["id"].split("_")[0]
-        out.append(case_param(cid, case))
+        if cid not in replayed:
+            out.append(case_param(cid, case))
     return out
 
 
