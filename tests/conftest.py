@@ -69,6 +69,7 @@ def _drop_compiled_programs(request):
 
 
 def pytest_runtest_teardown(item, nextitem):
-    if nextitem is not None and nextitem.module is item.module and _large(item.module.__name__) \
+    module = getattr(item, "module", None)
+    if module is not None and getattr(nextitem, "module", None) is module and _large(module.__name__) \
             and _mappings() > _MAX_MAPPINGS_IN_MODULE:
         _drop()
