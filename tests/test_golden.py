@@ -27,7 +27,6 @@ from shared_data import BLIS_REF, needs_blis_ref  # noqa: E402
 
 TESTDATA = BLIS_REF / "testdata"
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
-SMALL = {"trained-physics": ["67"], "roofline": ["67"]}
 
 
 def _experiments(kind: str, ids=None):
