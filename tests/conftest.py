@@ -45,10 +45,31 @@ def _mappings() -> int:
         return 0
 
 
+# A module can reach the limit by itself (a replay's compiled programs hold ~1,900 mappings;
+# test_cli's -m slow replays compile ~25): past this many, its programs are dropped between its
+# tests too.
+_MAX_MAPPINGS_IN_MODULE = 45_000
+
+
+def _drop() -> None:
+    jax.clear_caches()
+    executables.forget()
+    gc.collect()
+
+
+def _large(module_name: str) -> bool:
+    return any(word in module_name for word in _LARGE_PROGRAMS)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs(request):
     yield
-    if any(word in request.module.__name__ for word in _LARGE_PROGRAMS) or _mappings() > _MAX_MAPPINGS:
-        jax.clear_caches()
-        executables.forget()
-        gc.collect()
+    if _large(request.module.__name__) or _mappings() > _MAX_MAPPINGS:
+        _drop()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    module = getattr(item, "module", None)
+    if module is not None and getattr(nextitem, "module", None) is module and _large(module.__name__) \
+            and _mappings() > _MAX_MAPPINGS_IN_MODULE:
+        _drop()

@@ -203,8 +203,9 @@ def test_replay_matches_blis(case_id, tmp_path):
 @needs_shared
 def test_run_with_generation_args_prints_blis_run(tmp_path):
     """A01's `generation_args` through `run`: BLIS's stdout and trace.csv / trace.yaml byte for
-    byte (its replay equals the generating run). Every case: tests/test_run_blis_diff.py (slow).
-    After the A01 replay above, this reuses its compiled program (same shapes)."""
+    byte (its replay equals the generating run). Every other case -m slow: after its replay below,
+    or in tests/test_run_blis_diff.py. After the A01 replay above, this reuses its compiled
+    program (same shapes)."""
     from test_run_blis_diff import assert_run_equals_blis
 
     assert_run_equals_blis("A01", tmp_path)
@@ -237,12 +238,14 @@ def _case_ids(selected) -> list:
 @pytest.mark.parametrize("case_id", _cluster_cases())
 def test_replay_cluster_cases_byte_identical(case_id, tmp_path):
     """Clusters and admission through the CLI with BLIS's own flags: stdout (per-instance blocks,
-    cluster block, anomaly counters), --metrics-path and --results-path byte for byte."""
+    cluster block, anomaly counters), --metrics-path and --results-path byte for byte. Then
+    `run` with the case's generation_args (see run_after_the_replay)."""
     case_dir, out = replay_case(case_id, tmp_path)
     assert out == (case_dir / "stdout.txt").read_text()
     assert simulate(case_config(case_dir)).report() == out   # the library API, configured in Python
     for name in ("metrics.json", "results.json"):
         assert (tmp_path / name).read_text() == (case_dir / name).read_text(), name
+    run_after_the_replay(case_id, tmp_path)
 
 
 def _single_instance_cases() -> list[str]:
@@ -254,7 +257,8 @@ def _single_instance_cases() -> list[str]:
 @pytest.mark.parametrize("case_id", _single_instance_cases())
 def test_replay_all_single_instance_cases(case_id, tmp_path):
     """Every single-instance, always-admit reference case through the CLI: results exactly,
-    aggregates and per-request records (keyed by id) within 1e-3."""
+    aggregates and per-request records (keyed by id) within 1e-3. Then `run` with the case's
+    generation_args (see run_after_the_replay)."""
     case_dir, out = replay_case(case_id, tmp_path)
     assert json.loads((tmp_path / "results.json").read_text()) == \
         json.loads((case_dir / "results.json").read_text())
@@ -266,6 +270,18 @@ def test_replay_all_single_instance_cases(case_id, tmp_path):
     assert_close(got, ref)
     assert_close(metrics_blocks(out), metrics_blocks((case_dir / "stdout.txt").read_text()), "stdout")
     assert simulate(case_config(case_dir)).report() == out   # the library API, configured in Python
+    run_after_the_replay(case_id, tmp_path)
+
+
+def run_after_the_replay(case_id: str, tmp_path: Path) -> None:
+    """`run` with the case's generation_args equals BLIS's run (tests/test_run_blis_diff.py, which
+    leaves the replayed cases to this module): right after the replay, it reuses the replay's
+    compiled program (the same shapes). A01's: the default suite's test above."""
+    from test_run_blis_diff import assert_run_equals_blis, run_in_test_cli
+
+    if case_id != "A01" and case_id in run_in_test_cli():
+        (tmp_path / "run").mkdir()
+        assert_run_equals_blis(case_id, tmp_path / "run")
 
 
 # ---------------------------------------------------------------------------------- errors

@@ -741,21 +741,13 @@ def test_independent_routing_is_round_robin_until_the_horizon():
         assert not decompose.independent(dataclasses.replace(cfg, **coupled), requests), coupled
 
 
-@needs_blis_diff
-@pytest.mark.slow  # four single-instance programs
-def test_round_robin_cluster_equals_independent_instances_d01():
-    """D01 (4 instances, round-robin) as four single-instance runs: the same output, field by field."""
-    c = case_inputs("D01")
-    assert_outputs_equal(independent_run(c.requests, c.case, c.model, c.config(c.case["seed"])), case_run("D01"),
-                         "D01")
-
-
 @needs_blis_diff  # the cluster program is D01's
 @pytest.mark.slow  # single-instance programs of their own (the default run has D01's)
 @pytest.mark.parametrize("horizon_us, instances", [(None, 4), (1_500_000, 3), (30_000, 4)])
 def test_round_robin_cluster_equals_independent_instances(horizon_us, instances):
-    """Deadlines, prefix groups and a small KV cache (preemptions), with a horizon cutting the
-    arrivals, and a horizon that leaves an instance idle: still equal, field by field."""
+    """Round-robin on 4 instances as four single-instance runs (cluster/decompose.py), on a
+    scenario with deadlines, prefix groups and a small KV cache (preemptions); with a horizon
+    cutting the arrivals, and a horizon that leaves an instance idle: equal, field by field."""
     requests, settings, cfg, group = scenario("round_robin")
     cfg = dataclasses.replace(cfg, num_instances=instances, instance_slots=max(instances, 4))
     model = scenario_model("round_robin")

@@ -9,7 +9,9 @@ trace, not the generating run's; its `trace.csv` is the generating run's, follow
 included, and the generating run's figures are derived from it (and from the case notes).
 
 Every case is a full simulation (~10-30 s each on 2 cores, most of it compilation), so the set is
-`slow`; the default suite runs A01 this way in test_cli.py (sharing the replay's program).
+`slow`. The cases test_cli.py replays run there, each in its replay's test, right after the
+replay, whose compiled program it reuses (A01 in the default suite); here, every other case
+(`run_in_test_cli`).
 Cases that need features not built yet are strict xfails (blis_diff.case_param).
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from functools import cache
 
 import numpy as np
 import pytest
@@ -25,17 +28,33 @@ import pytest
 from blis_jax import cli
 from blis_diff import case_param  # noqa: E402
 from shared_data import BLIS_DIFF, needs_blis_diff  # noqa: E402
-from test_cli import metrics_blocks  # noqa: E402
+from test_cli import _cluster_cases, _single_instance_cases, metrics_blocks  # noqa: E402
+
+
+@cache
+def run_in_test_cli() -> frozenset[str]:
+    """The cases test_cli.py replays and runs, the run right after the replay, reusing its compiled
+    program. Not the strict xfails (their replays fail first), nor a run whose replay is not the
+    generating run (C06's closed-loop sessions compile a program of their own): those run here."""
+    def replay_is_the_run(cid: str) -> bool:
+        case = json.loads((next(BLIS_DIFF.glob(f"{cid}_*")) / "case.json").read_text())
+        return case["replay_matches_generating_run"] is not False
+
+    return frozenset(p.id for p in _cluster_cases() + _single_instance_cases()
+                     if not p.marks and replay_is_the_run(p.id))
 
 
 def _params():
+    """Every case but those run in test_cli.py."""
     if not BLIS_DIFF.is_dir():
         return []
+    replayed = run_in_test_cli()
     out = []
     for path in sorted(p for p in BLIS_DIFF.iterdir() if (p / "case.json").is_file()):
         case = json.loads((path / "case.json").read_text())
         cid = case["id"].split("_")[0]
-        out.append(case_param(cid, case))
+        if cid not in replayed:
+            out.append(case_param(cid, case))
     return out
 
 
