@@ -7,8 +7,9 @@
   agree with BLIS to float rounding, ≤ 1e-14 relative).
 
 Simulation is `pytest -m slow`: every experiment batched under both latency models against the
-pins (one `python -m blis_jax.golden --write` subprocess, XLA optimizing as for the pins); experiments 66 and 67 each run alone (their own dims) against the same pins, so batched
-equals single; the smallest (67, reasoning-lite, 1200 requests) through the `run` command line.
+pins (one `python -m blis_jax.golden --write` subprocess, XLA optimizing as for the pins);
+experiments 66 and 67 each run alone (their own dims) against the same pins, so batched equals
+single; the smallest (67, reasoning-lite, 1200 requests) through the `run` command line.
 """
 
 from __future__ import annotations
