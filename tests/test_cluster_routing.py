@@ -1,7 +1,10 @@
 """Routing policies (blis-features §3.5): round-robin, least-loaded, always-busiest, weighted;
-tie-breaking, masking of non-routable slots, and BLIS reference cases D01 / E05."""
+tie-breaking, masking of non-routable slots, the policy modules' `route` (Go-stream draws only
+on ties, state changes only on a decision), and BLIS reference cases D01 / E05."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import chex
 import jax
@@ -16,6 +19,8 @@ from blis_jax.cluster import routing as rt
 from blis_jax.cluster import scorers as sc
 from blis_jax.cluster import signals as sg
 from blis_jax.errors import ConfigError
+from blis_jax.rng.go_jax import GoStream, go_stream
+from blis_jax.rng.go_rand import GoRand
 
 ACTIVE = [True, True, True, False]
 
@@ -234,3 +239,121 @@ def test_blis_diff_e05_pd_shared_round_robin_counter():
     handled = {case.request_metrics[r.request_id]["handled_by"] for r in case.requests}
     assert handled == {"instance_2"}
     assert set(np.asarray(dec).tolist()) == {2} and set(np.asarray(pre).tolist()) == {1}
+
+
+# ----------------------------------------------------------------------------- policy modules
+
+
+def stream(seed=7):
+    return go_stream(seed)
+
+
+def drew(before: GoStream, after: GoStream) -> int:
+    """Go words consumed between two states of one stream (each draw here takes one)."""
+    return int((int(before.tap) - int(after.tap)) % 607)
+
+
+def test_round_robin_route_advances_once_per_decision_and_never_draws():
+    policy, s = rt.make_routing("round-robin"), stream()
+    route = jax.jit(lambda p, rs: p.route(rs, None, s))
+    targets = []
+    for active in ([True, False, True, True],) * 4 + ([False] * 4,) + ([True, True, True, True],):
+        policy, t, after = route(policy, rstate(active=active))
+        chex.assert_trees_all_equal(after, s)
+        targets.append(int(t))
+    # counter mod 3 over [0, 2, 3]; no routable slot: -1, counter kept; then counter 4 mod 4.
+    assert targets == [0, 2, 3, 0, -1, 0]
+    assert int(policy.counter) == 5
+
+
+def test_least_loaded_route_draws_only_on_ties():
+    s = stream(11)
+    # loads 4, 4, 3: a unique minimum (slot 2), no draw
+    policy, t, after = rt.LeastLoaded().route(rstate(), None, s)
+    assert int(t) == 2 and drew(s, after) == 0
+    chex.assert_trees_all_equal(after, s)
+    # loads 2, 5, 2: slots 0 and 2 tie, one Intn(2) from the Go source picks among them
+    rs = rstate(qd=(2, 5, 2, 0), bs=(0, 0, 0, 0), in_flight=(0, 0, 0, 0))
+    _, t, after = rt.LeastLoaded().route(rs, None, s)
+    assert int(t) == (0, 2)[GoRand(11).intn(2)] and drew(s, after) == 1
+    # none routable: -1, no draw
+    _, t, after = rt.LeastLoaded().route(rstate(active=[False] * 4), None, s)
+    assert int(t) == -1 and drew(s, after) == 0
+
+
+def test_least_loaded_route_tie_draws_follow_the_go_source():
+    rs = rstate(qd=(1, 1, 1, 1), bs=(0, 0, 0, 0), in_flight=(0, 0, 0, 0), active=[True] * 4)
+    route = jax.jit(lambda s: rt.LeastLoaded().route(rs, None, s)[1:])
+    s, ref, got = stream(3), GoRand(3), []
+    for _ in range(20):
+        t, s = route(s)
+        got.append(int(t))
+    assert got == [ref.intn(4) for _ in range(20)]
+
+
+def test_always_busiest_route_first_wins_without_drawing():
+    s = stream()
+    rs = rstate(qd=(1, 4, 4, 9), bs=(0, 0, 0, 0), in_flight=(0, 0, 0, 0))  # slot 3 not routable
+    _, t, after = rt.AlwaysBusiest().route(rs, None, s)
+    assert int(t) == 1
+    chex.assert_trees_all_equal(after, s)
+    assert int(rt.AlwaysBusiest().route(rstate(active=[False] * 4), None, s)[1]) == -1
+
+
+def test_weighted_route_ties_draw_and_observers_see_the_choice():
+    policy = rt.make_routing("weighted", 4, scorers="prefix-affinity:1")
+    r, s = req(keys=(7, 8, 9), num_blocks=3), stream(5)
+    # Nobody holds the blocks: all three routable slots tie, one Intn(3).
+    policy, t1, s1 = policy.route(rstate(active=[False, True, True, True]), r, s)
+    assert int(t1) == (1, 2, 3)[GoRand(5).intn(3)] and drew(s, s1) == 1
+    # The index now holds them on t1 only: a unique best, no draw.
+    policy, t2, s2 = policy.route(rstate(active=[True] * 4), r, s1)
+    assert int(t2) == int(t1) and drew(s1, s2) == 0
+
+
+def test_weighted_route_no_routable_slot_changes_nothing():
+    policy = rt.make_routing("weighted", 4, scorers="prefix-affinity:1,no-hit-lru:1")
+    s = stream()
+    new, t, after = jax.jit(lambda p: p.route(rstate(active=[False] * 4), req(keys=(1, 2, 3), num_blocks=3), s))(
+        policy)
+    assert int(t) == -1
+    chex.assert_trees_all_equal((new, after), (policy, s))
+
+
+def test_make_routing_and_what_policies_read():
+    assert type(rt.make_routing()) is rt.RoundRobin and int(rt.make_routing().counter) == 0
+    assert type(rt.make_routing("least-loaded")) is rt.LeastLoaded
+    assert type(rt.make_routing("always-busiest")) is rt.AlwaysBusiest
+    weighted = rt.make_routing("weighted", 4)
+    assert weighted.scorers == tuple(n for n, _ in sc.parse_profile(sc.DEFAULT_PROFILE))
+    # round-robin reads no instance state; least-loaded's EffectiveLoad has the live in-flight counts
+    assert not rt.RoundRobin.reads_signals and not rt.make_routing().reads_in_flight
+    assert rt.LeastLoaded().reads_in_flight and rt.AlwaysBusiest().reads_in_flight
+    assert weighted.reads_signals and not weighted.reads_in_flight
+    assert rt.make_routing("weighted", 4, scorers="queue-depth:1,active-requests:1").reads_in_flight
+    with pytest.raises(ConfigError, match="--routing-policy 'random'"):
+        rt.make_routing("random")
+    with pytest.raises(ConfigError, match="--routing-scorers is used by --routing-policy weighted only"):
+        rt.make_routing("least-loaded", 4, scorers="queue-depth:1")
+    with pytest.raises(ConfigError, match="--routing-scorers: unknown scorer 'qd'"):
+        rt.make_routing("weighted", 4, scorers="qd:1")
+
+
+def test_route_new_numbers_same_program_and_vmap_lanes():
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def route(policy, rs, s):
+        return policy.route(rs, req(), s)
+
+    rs = rstate()
+    w = rt.make_routing("weighted", 4, scorers="queue-depth:1,kv-utilization:1")
+    # queue-depth 0, 2/3, 1 and 1 - KV 0.75, 0.5, 0 on the routable slots: totals .375, .583, .5
+    _, t, _ = route(w, rs, stream())
+    # other weights, same program: kv-utilization alone now decides (slot 0: KV 0.25)
+    heavy = rt.Weighted(dataclasses.replace(w.profile, weights=jnp.asarray([1e-9, 1.0 - 1e-9])))
+    _, t_heavy, _ = route(heavy, rs, stream())
+    assert (int(t), int(t_heavy)) == (1, 0)
+    # one round-robin counter per lane
+    rr = rt.RoundRobin(counter=jnp.arange(4, dtype=jnp.int64))
+    new, targets = jax.vmap(lambda p: p.route(rs, None, stream())[:2])(rr)
+    assert np.asarray(targets).tolist() == [0, 1, 2, 0] and np.asarray(new.counter).tolist() == [1, 2, 3, 4]

@@ -1,4 +1,5 @@
-"""Cluster-level decisions of BLIS (blis-features §3.1-§3.6, §3.10) as pure, jittable functions.
+"""Cluster-level decisions of BLIS (blis-features §3.1-§3.6, §3.10) as pure, jittable functions
+and policy modules (admission and routing policies: `eqx.Module`s with a pure decision method).
 
 Design note: how these pieces plug into a shared-clock loop
 -----------------------------------------------------------
@@ -17,10 +18,13 @@ Cluster state (one `eqx.Module`, carried by the loop) holds:
   per-instance last refresh time.
 * `cache_signal: signals.CacheSignal`: the frozen copy of every instance's prefix-cache
   contents (whatever pytree the engine uses to answer prefix queries), with the last freeze.
-* the routing policy state: `routing.RoundRobin` (counter) or a `scorers.ScorerProfile`
-  (weights plus the prefix-affinity index and no-hit-lru stamps); with PD pools, one profile
-  per pool and the shared round-robin counter.
-* a routing PRNG key (fold in a decision counter for each random tie-break).
+* `routing`: an `AbstractRouting` (`RoundRobin` with its counter, `LeastLoaded`,
+  `AlwaysBusiest`, or `Weighted` with its `scorers.ScorerProfile`: weights plus the
+  prefix-affinity index and no-hit-lru stamps); with PD pools, a pool with scorers of its own
+  has its own `Weighted` policy, and pools without share the cluster's (one round-robin
+  counter for both picks).
+* the Go `math/rand` streams of the random tie-breaks (`router`, `prefill-router`,
+  `decode-router`), drawn only when a decision ties.
 
 What the engine must provide per instance, at a routing decision:
 
@@ -40,7 +44,8 @@ Pipeline for one request (blis-features §3.2), cluster events first at equal ti
     t_route = t_adm + routing_latency     : snapshot = signals.refresh(snapshot, live, t_route, routable)
                                             cache_signal = signals.refresh_cache_signal(cache_signal, live_cache, t_route)
                                             rs = signals.router_state(snapshot, in_flight, routable)
-                                            target = routing.<policy>(...)   (-1 => routing rejection)
+                                            routing, target, stream = routing.route(rs, req, stream)
+                                            (target -1 => routing rejection)
                                             in_flight[target] += 1; inject into the target at t_route
     PD (decode-first): target over the decode-role mask, pd.disaggregate(cfg, input_len,
         cached_prefix_blocks[target], block_size); if so, a prefill target over the prefill-role
@@ -72,12 +77,12 @@ from blis_jax.cluster.pd import pool_masks as pool_masks
 from blis_jax.cluster.pd import transfer_blocks as transfer_blocks
 from blis_jax.cluster.pd import transfer_time_us as transfer_time_us
 from blis_jax.cluster.routing import ROUTING_POLICIES as ROUTING_POLICIES
+from blis_jax.cluster.routing import AbstractRouting as AbstractRouting
+from blis_jax.cluster.routing import AlwaysBusiest as AlwaysBusiest
+from blis_jax.cluster.routing import LeastLoaded as LeastLoaded
 from blis_jax.cluster.routing import RoundRobin as RoundRobin
-from blis_jax.cluster.routing import always_busiest as always_busiest
-from blis_jax.cluster.routing import init_round_robin as init_round_robin
-from blis_jax.cluster.routing import least_loaded as least_loaded
-from blis_jax.cluster.routing import round_robin as round_robin
-from blis_jax.cluster.routing import weighted as weighted
+from blis_jax.cluster.routing import Weighted as Weighted
+from blis_jax.cluster.routing import make_routing as make_routing
 from blis_jax.cluster.scorers import DEFAULT_PROFILE as DEFAULT_PROFILE
 from blis_jax.cluster.scorers import SCORERS as SCORERS
 from blis_jax.cluster.scorers import RouteRequest as RouteRequest

@@ -48,9 +48,6 @@ from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.state import EngineState, RequestArrays, init_state
 from blis_jax.rng.go_jax import GoStream
 
-PREFIX_SCORERS = ("precise-prefix-cache", "no-hit-lru")  # read the instances' prefix caches
-LIVE_SCORERS = ("load-balance", "active-requests")  # read the always-current in-flight counts
-
 
 @dataclasses.dataclass(frozen=True)
 class ClusterDims:
@@ -58,7 +55,9 @@ class ClusterDims:
 
     engine: EngineDims
     num_instances: int  # instance slots (a smaller active count is a mask)
-    routing_policy: str = "round-robin"
+    # what the routing policies read (`routing_dims`: their classes and scorer names)
+    routing_reads_signals: bool = False  # the policy reads instance state (round-robin reads none)
+    routing_reads_in_flight: bool = False  # ... the always-current in-flight counts
     scorers: tuple[str, ...] = ()  # weighted routing's scorer names, in profile order
     pd: bool = False  # prefill/decode pools (disaggregation); pool routing is decode-first
     prefill_scorers: tuple[str, ...] = ()  # pool scorer names (weighted pool routing); () = the policy
@@ -75,12 +74,11 @@ class ClusterDims:
 
     @property
     def all_scorers(self) -> tuple[str, ...]:
-        weighted = self.scorers if self.routing_policy == "weighted" else ()
-        return weighted + self.prefill_scorers + self.decode_scorers
+        return self.scorers + self.prefill_scorers + self.decode_scorers
 
     @property
     def reads_prefix_cache(self) -> bool:
-        return any(s in PREFIX_SCORERS for s in self.all_scorers)
+        return any(s in sc.PREFIX_SCORERS for s in self.all_scorers)
 
     @property
     def needs_block_keys(self) -> bool:
@@ -91,11 +89,16 @@ class ClusterDims:
         """Routing reads only router-owned state and the stale snapshots, so every arrival
         before the next snapshot or cache refresh can be routed before the instances have run
         up to it (the decisions are the same: nothing they read changes in between)."""
-        if self.pd or self.admission_reads_state or self.flow_control:
-            return False
-        if self.routing_policy == "round-robin":
-            return True
-        return self.routing_policy == "weighted" and not any(s in LIVE_SCORERS for s in self.scorers)
+        return not (self.pd or self.admission_reads_state or self.flow_control or self.routing_reads_in_flight)
+
+
+def routing_dims(policy: routing.AbstractRouting, prefill: routing.AbstractRouting | None = None,
+                 decode: routing.AbstractRouting | None = None) -> dict:
+    """The `ClusterDims` fields that describe the routing policies: the cluster's, and the PD
+    pools' own (None: the pool routes with the cluster's policy)."""
+    return dict(routing_reads_signals=policy.reads_signals, routing_reads_in_flight=policy.reads_in_flight,
+                scorers=policy.scorers, prefill_scorers=prefill.scorers if prefill is not None else (),
+                decode_scorers=decode.scorers if decode is not None else ())
 
 
 class ClusterParams(eqx.Module):
@@ -121,10 +124,9 @@ class ClusterState(eqx.Module):
     routed: Int64[Array, " I"]  # requests routed to each instance so far
     snapshot: signals.Snapshot
     cache_signal: signals.CacheSignal
-    round_robin: routing.RoundRobin
-    profile: sc.ScorerProfile | None
-    prefill_profile: sc.ScorerProfile | None  # pd pools with their own scorers
-    decode_profile: sc.ScorerProfile | None
+    routing: routing.AbstractRouting  # the cluster's policy (with PD, of the pools without scorers of their own)
+    prefill_routing: routing.AbstractRouting | None  # pd pools with their own scorers (`Weighted`); else None
+    decode_routing: routing.AbstractRouting | None
     transfers: xfer.Transfers
     gateway: gw.GatewayState | None  # flow control: the gateway queue (None without)
     exits_read: Int64[Array, " I"]  # pd: completions of each instance turned into transfers
@@ -204,16 +206,17 @@ def _route_request(cs: ClusterState, cd: ClusterDims, req: RequestArrays, r) -> 
 
 
 def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req: RequestArrays, model,
-                 admission: adm.AbstractAdmission, profiles, streams: tuple[GoStream, GoStream, GoStream],
+                 admission: adm.AbstractAdmission, routings, streams: tuple[GoStream, GoStream, GoStream],
                  snapshot_interval_us, cache_signal_delay_us) -> ClusterState:
-    """`profiles` = (routing profile, prefill pool profile, decode pool profile), each or None."""
+    """`routings` = (the cluster's routing policy, the prefill pool's own, the decode pool's
+    own); a pool's is None without scorers of its own."""
     dims, i = cd.engine, cd.num_instances
     never = jnp.full(dims.num_requests, INF_TIME, jnp.int64)
     instances = jax.vmap(lambda blocks: inbox.empty(init_state(dims, req, never, params.horizon_us, blocks)))(
         cparams.total_kv_blocks)
     frozen = (group_blocks_cached(instances, dims) if cd.reads_prefix_cache else jnp.zeros((i, 1, 1), bool))
     n = dims.num_requests
-    profile, prefill_profile, decode_profile = profiles
+    policy, prefill_routing, decode_routing = routings
     return ClusterState(
         instances=instances,
         next_request=jnp.asarray(0, jnp.int32),
@@ -223,10 +226,9 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         snapshot=dataclasses.replace(signals.init_snapshot(i), interval_us=jnp.asarray(snapshot_interval_us, jnp.int64)),
         cache_signal=signals.CacheSignal(frozen=frozen, last_us=jnp.asarray(0, jnp.int64),
                                          delay_us=jnp.asarray(cache_signal_delay_us, jnp.int64)),
-        round_robin=routing.init_round_robin(),
-        profile=profile,
-        prefill_profile=prefill_profile,
-        decode_profile=decode_profile,
+        routing=policy,
+        prefill_routing=prefill_routing,
+        decode_routing=decode_routing,
         transfers=xfer.empty(cd.transfers, n),
         gateway=gw.empty(cd.gateway_slots, n, cd.gateway_bands) if cd.flow_control else None,
         exits_read=jnp.zeros(i, jnp.int64),
@@ -301,31 +303,16 @@ def next_cluster_time(cs: ClusterState, cparams, params, req):
     return t
 
 
-def _pick(cd: ClusterDims, policy_profile, rr, rs: signals.RouterState, route_req, stream: GoStream):
-    """One routing decision over `rs.active` with a weighted profile, else the policy:
-    (profile, round-robin counter, target, stream)."""
-    if policy_profile is not None:
-        profile, target, stream = routing.weighted_go(policy_profile, rs, route_req, stream)
-        return profile, rr, target, stream
-    if cd.routing_policy == "least-loaded":
-        stream, target = routing.least_loaded_go(rs, stream)
-        return None, rr, target, stream
-    if cd.routing_policy == "always-busiest":
-        return None, rr, routing.always_busiest(rs), stream
-    rr, target = routing.round_robin(rr, rs.active)
-    return None, rr, target, stream
-
-
 def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, r, t_admit,
             t_route, on):
     """Admission and routing of request r. Returns (state, instance to inject it into now: its
     serving instance, or with disaggregation its prefill instance; -1 when rejected)."""
     if cd.admission_reads_state:  # decided at its own event (`_admission_event`)
-        policy, admitted = cs.admission, ~cs.rejected[r]
+        admission, admitted = cs.admission, ~cs.rejected[r]
     elif cd.flow_control:  # the gateway queue admitted and dispatched it
-        policy, admitted = cs.admission, jnp.asarray(True)
+        admission, admitted = cs.admission, jnp.asarray(True)
     else:
-        policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r])
+        admission, admitted = adm.admit(cs.admission, t_admit, req.input_len[r])
     admitted = admitted & on
     live = live_signals(cs.instances, cparams.total_kv_blocks, cd.engine.block_size)
     # A RouterState build re-reads the stale signals of the instances it covers: all of them,
@@ -337,62 +324,52 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         cache_signal = signals.refresh_cache_signal(cache_signal, group_blocks_cached(cs.instances, cd.engine), t_route)
     in_flight = _in_flight(cs)
     route_req = _route_request(dataclasses.replace(cs, cache_signal=cache_signal), cd, req, r)
-    rr = cs.round_robin
+    when = lambda flag, new, old: jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)  # noqa: E731
+    prefill_routing, decode_routing = cs.prefill_routing, cs.decode_routing
+    prefill_router, decode_router = cs.prefill_router, cs.decode_router
     if not cd.pd:
         rs = signals.router_state(snapshot, in_flight, cparams.active)
-        profile, rr, target, router = _pick(cd, cs.profile, rr, rs, route_req, cs.router)
-        prefill_router, decode_router = cs.prefill_router, cs.decode_router
-        profiles = (profile if cs.profile is not None else None, cs.prefill_profile, cs.decode_profile)
+        policy, target, router = cs.routing.route(rs, route_req, cs.router)
         disaggregated, prefill = jnp.asarray(False), jnp.asarray(-1, jnp.int64)
     else:
-        # llm-d decode-first: the decode pod, the decider, then (maybe) the prefill pod; both
-        # choices advance one shared round-robin counter when the pools have no scorers.
+        # llm-d decode-first: the decode pod, the decider, then (maybe) the prefill pod. A pool
+        # without scorers of its own routes with the cluster's policy and draws from `router`
+        # (one policy state: with round-robin both choices advance one shared counter); a pool
+        # with its own scorers routes with its own policy and draws from its own stream.
         rs = signals.router_state(snapshot, in_flight, cparams.active & cparams.decode_role)
-        decode_base = cs.decode_profile if cs.decode_profile is not None else cs.profile
-        # A pool with its own scorers draws from its own stream, else both use `router`.
-        own_decode = cs.decode_profile is not None
-        new_decode, rr, target, drawn = _pick(cd, decode_base, rr, rs, route_req,
-                                              cs.decode_router if own_decode else cs.router)
-        router = cs.router if own_decode else drawn
-        decode_router = drawn if own_decode else cs.decode_router
+        if cs.decode_routing is not None:
+            decode_routing, target, decode_router = cs.decode_routing.route(rs, route_req, cs.decode_router)
+            policy, router = cs.routing, cs.router
+        else:
+            policy, target, router = cs.routing.route(rs, route_req, cs.router)
         cached = route_req.cached_prefix_blocks[jnp.maximum(target, 0)]
         disaggregated = (target >= 0) & pd_rules.disaggregate(cparams.pd, req.input_len[r], cached,
                                                                cd.engine.block_size)
-        shared = new_decode if cs.decode_profile is None else cs.profile  # the routing profile after the decode pick
-        prefill_base = cs.prefill_profile if cs.prefill_profile is not None else shared
-        snapshot = jax.tree.map(lambda a, b: jnp.where(disaggregated, a, b),
-                                signals.refresh(snapshot, live, t_route, cparams.active & cparams.prefill_role),
-                                snapshot)
+        snapshot = when(disaggregated, signals.refresh(snapshot, live, t_route, cparams.active & cparams.prefill_role),
+                        snapshot)
         rs_p = signals.router_state(snapshot, in_flight, cparams.active & cparams.prefill_role)
-        own_prefill = cs.prefill_profile is not None
-        new_prefill, rr_p, prefill, drawn = _pick(cd, prefill_base, rr, rs_p, route_req,
-                                                  cs.prefill_router if own_prefill else router)
-        when = lambda flag, new, old: (None if old is None else  # noqa: E731
-                                       jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old))
-        rr = when(disaggregated, rr_p, rr)
         # The prefill pick (and its draw) happens only for a disaggregated request.
-        if own_prefill:
-            prefill_router = when(disaggregated, drawn, cs.prefill_router)
+        if cs.prefill_routing is not None:
+            new, prefill, drawn = cs.prefill_routing.route(rs_p, route_req, cs.prefill_router)
+            prefill_routing = when(disaggregated, new, prefill_routing)
+            prefill_router = when(disaggregated, drawn, prefill_router)
         else:
-            prefill_router, router = cs.prefill_router, when(disaggregated, drawn, router)
-        profiles = (when(disaggregated, new_prefill, shared) if cs.prefill_profile is None else shared,
-                    when(disaggregated, new_prefill, cs.prefill_profile),
-                    new_decode if cs.decode_profile is not None else None)
+            new, prefill, drawn = policy.route(rs_p, route_req, router)
+            policy, router = when(disaggregated, new, policy), when(disaggregated, drawn, router)
         disaggregated = disaggregated & (prefill >= 0)
     # Only a decision that happened changes router state (the body runs masked).
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(admitted, a, b), new, old)  # noqa: E731
+    keep = functools.partial(when, admitted)
     decided = dataclasses.replace(
         cs,
-        admission=jax.tree.map(lambda a, b: jnp.where(on, a, b), policy, cs.admission),
+        admission=when(on, admission, cs.admission),
         snapshot=keep(snapshot, cs.snapshot),
         cache_signal=keep(cache_signal, cs.cache_signal),
-        round_robin=keep(rr, cs.round_robin),
+        routing=keep(policy, cs.routing),
+        prefill_routing=keep(prefill_routing, cs.prefill_routing),
+        decode_routing=keep(decode_routing, cs.decode_routing),
         router=keep(router, cs.router),
         prefill_router=keep(prefill_router, cs.prefill_router),
         decode_router=keep(decode_router, cs.decode_router),
-        profile=keep(profiles[0], cs.profile) if cs.profile is not None else None,
-        prefill_profile=keep(profiles[1], cs.prefill_profile) if cs.prefill_profile is not None else None,
-        decode_profile=keep(profiles[2], cs.decode_profile) if cs.decode_profile is not None else None,
     )
     target = jnp.where(admitted, target, -1)
     disaggregated = admitted & disaggregated
@@ -555,9 +532,9 @@ def _next_prefill_time(cs: ClusterState, cparams: ClusterParams, params, req, ou
 
 
 def _refresh_due(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams):
-    """Earliest routing time at which a decision would re-read instance state (INF_TIME for
-    round-robin, which reads none)."""
-    if cd.routing_policy == "round-robin":
+    """Earliest routing time at which a decision would re-read instance state (INF_TIME for a
+    policy that reads none: round-robin)."""
+    if not cd.routing_reads_signals:
         return jnp.asarray(INF_TIME, jnp.int64)
     snap = cs.snapshot
     due = jnp.min(jnp.where(cparams.active, snap.last_refresh + snap.interval_us, INF_TIME))

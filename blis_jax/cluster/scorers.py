@@ -63,6 +63,8 @@ SCORERS = (
     "lora-affinity",
 )
 DEFAULT_PROFILE = "precise-prefix-cache:2,queue-depth:1,kv-utilization:1"
+PREFIX_SCORERS = ("precise-prefix-cache", "no-hit-lru")  # read the instances' prefix caches
+LIVE_SCORERS = ("load-balance", "active-requests")  # read the always-current in-flight counts
 PREFIX_AFFINITY_CAPACITY = 10_000  # blocks per instance in BLIS's router-side index
 LOAD_AWARE_QUEUE_THRESHOLD = 128
 EMPTY_KEY = (1 << 63) - 1  # sorts after every real key; real keys must be smaller

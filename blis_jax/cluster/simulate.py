@@ -120,9 +120,10 @@ class ClusterConfig:
                                        transfer_base_latency_ms=self.pd_transfer_base_latency,
                                        contention=self.pd_transfer_contention)
 
-    def pool_profiles(self):
-        """(prefill pool profile, decode pool profile), each None without pool scorers."""
-        return tuple(None if text is None else sc.make_profile(text, self.slots, flag=flag)
+    def pool_routing(self) -> tuple[routing_policies.Weighted | None, routing_policies.Weighted | None]:
+        """(prefill pool's routing policy, decode pool's), each None without pool scorers (the
+        pool then routes with the cluster's policy)."""
+        return tuple(None if text is None else routing_policies.Weighted(sc.make_profile(text, self.slots, flag=flag))
                      for flag, text in (("--prefill-routing-scorers", self.prefill_routing_scorers),
                                         ("--decode-routing-scorers", self.decode_routing_scorers)))
 
@@ -138,10 +139,11 @@ class ClusterConfig:
                                   queue_depth_threshold=self.queue_depth_threshold,
                                   kv_cache_util_threshold=self.kv_cache_util_threshold)
 
-    def profile(self) -> sc.ScorerProfile | None:
-        if self.routing_policy != "weighted":
-            return None
-        return sc.make_profile(self.routing_scorers or sc.DEFAULT_PROFILE, self.slots)
+    def routing(self) -> routing_policies.AbstractRouting:
+        """The cluster's routing policy (`--routing-scorers` is read by weighted routing only)."""
+        weighted = self.routing_policy == "weighted"
+        return routing_policies.make_routing(self.routing_policy, self.slots,
+                                             scorers=(self.routing_scorers or None) if weighted else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,13 +224,9 @@ def simulate_cluster_views(
         if gateway is not None:
             depth = cluster.flow_control.max_gateway_queue_depth
             gateway_slots = bucket(max(1, min(len(requests), depth if depth > 0 else 256))) * growth.gateway_slots
-        profile = cluster.profile()
-        prefill_profile, decode_profile = cluster.pool_profiles() if cluster.pd else (None, None)
+        routings = (cluster.routing(), *(cluster.pool_routing() if cluster.pd else (None, None)))
         cd = loop.ClusterDims(
-            engine=edims, num_instances=cluster.slots, routing_policy=cluster.routing_policy,
-            scorers=profile.names if profile is not None else (), pd=cluster.pd,
-            prefill_scorers=prefill_profile.names if prefill_profile is not None else (),
-            decode_scorers=decode_profile.names if decode_profile is not None else (),
+            engine=edims, num_instances=cluster.slots, **loop.routing_dims(*routings), pd=cluster.pd,
             transfers=bucket(64 * growth.transfers) if cluster.pd else 1,
             admission_reads_state=cluster.admission().reads_state,
             gateway_slots=gateway_slots, gateway_bands=bands, gateway_tenants=tenants,
@@ -247,7 +245,7 @@ def simulate_cluster_views(
         streams = tuple(go_stream(subsystem_seed(cluster.seed, name))   # blis-rng §2: seed XOR fnv1a64(name)
                         for name in (ROUTER, PREFILL_ROUTER, DECODE_ROUTER))
         cs = _init(cd, params, cparams, req, deployed.model, cluster.admission(),
-                   (profile, prefill_profile, decode_profile), streams, cluster.snapshot_refresh_interval_us,
+                   routings, streams, cluster.snapshot_refresh_interval_us,
                    cluster.cache_signal_delay_us)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         inputs = jax.device_put((params, cparams, req, deployed.model))
