@@ -413,14 +413,20 @@ def test_model_defaults_and_auto_capacity():
 
 
 @needs_shared
-def test_workload_spec_run_and_bad_key(tmp_path, capsys):
-    """--workload-spec: a v2 spec drives `run` (--num-requests overrides the spec); an unknown
-    key in the spec is one error line naming it."""
+@pytest.mark.slow  # a spec drives `run` in the default suite too: C06's generating run (test_sessions)
+def test_workload_spec_run_overrides_num_requests():
+    """--workload-spec: a v2 spec drives `run` (--num-requests overrides the spec)."""
     spec = BLIS_DIFF / "C01_multiclient_poisson_gamma_weibull" / "workload.yaml"
     rc, out, err = cli("run", "--workload-spec", str(spec), "--num-requests", "40", "--max-num-seqs", "256")
     assert rc == 0, err
     block = metrics_blocks(out)[-1]
     assert block["injected_requests"] == 40 and block["completed_requests"] == 40
+
+
+@needs_shared
+def test_workload_spec_bad_key(tmp_path, capsys):
+    """An unknown key in a --workload-spec is one error line naming it."""
+    spec = BLIS_DIFF / "C01_multiclient_poisson_gamma_weibull" / "workload.yaml"
     bad = tmp_path / "bad.yaml"
     bad.write_text(spec.read_text() + "\nbogus_key: 1\n")
     rc, out, err = cli("run", "--workload-spec", str(bad))

@@ -1,7 +1,7 @@
 """Flow control: the gateway queue (blis_jax/cluster/gateway.py, blis-features §3.4).
 
 Unit tests drive the queue functions directly (enqueue, shedding, band ceilings, fairness,
-dispatch order, TTL). The loop tests (global-strict by default; the others `-m slow`) check that
+dispatch order, TTL). The loop tests (`-m slow`) check that
 flow control with the `never` detector changes nothing but adds a zero queue delay, and, on an
 overloaded cluster with the concurrency detector, depth limit, shedding and TTL, re-derive
 from the run's own per-request times that: every dispatch happened below the concurrency
@@ -191,7 +191,8 @@ def test_never_detector_changes_nothing_but_adds_a_zero_queue_delay():
     np.testing.assert_array_equal(plain.itl_step_us, gated.itl_step_us)
 
 
-@pytest.mark.parametrize("fairness", ["global-strict", pytest.param("round-robin", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 17 s per fairness policy; the queue functions are unit-tested in the default suite
+@pytest.mark.parametrize("fairness", ["global-strict", "round-robin"])
 def test_gated_dispatch_follows_the_rules(fairness):
     from engine_helpers import latency_model
 

@@ -631,9 +631,10 @@ def assert_outputs_equal(a: so.SimOutput, b: so.SimOutput, what: str):
         assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f"{what}: SimOutput.{field}"
 
 
-# least-loaded and weighted compile programs of their own (D02's, D03's): slow
-@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.slow) if n in ("least_loaded", "weighted") else n
-                        for n in SCENARIOS])
+# least-loaded and weighted compile programs of their own (D02's, D03's), and token-bucket
+# admission runs long (17 s): slow; round-robin keeps the chunk-boundary check in the default suite
+@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.slow) if n in ("least_loaded", "weighted", "token_bucket")
+                        else n for n in SCENARIOS])
 def name(request):
     return request.param
 
