@@ -54,6 +54,9 @@ def smooth():
     return base, table
 
 
+# The smooth run checks (31 s, with whole-run central differences for every coefficient) are
+# `-m slow`; the default suite keeps forward mode against whole runs for the first-token lag.
+@pytest.mark.slow
 def test_fixed_schedule_model_reproduces_the_run(smooth):
     base, table = smooth
     assert base.metrics["completed_requests"] == 200
@@ -70,6 +73,7 @@ def test_fixed_schedule_model_reproduces_the_run(smooth):
     assert e2e.derivative == pytest.approx(1e-3 * (1 + base.out.num_itl[base.out.completed_mask()].mean()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", ["ttft_mean", "e2e_mean", "itl_mean"])
 def test_means_match_whole_run_differences_in_the_smooth_case(smooth, metric):
     # measured largest relative difference: TTFT 0.10 % (b7), E2E 0.06 % (b2b), ITL 0.06 % (b2b)
