@@ -174,6 +174,10 @@ def release_row(state: EngineState, dims: EngineDims, row, active=True) -> Engin
 
 # ----------------------------------------------------------------------------- allocation
 
+# Block count of the small allocation program (see allocate_rows): a decode step of a full
+# 128-slot batch needs at most one new block per request.
+SMALL_ALLOCATION = 128
+
 
 def register_full_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r, blocks, block_index, full):
     """Give content keys to blocks that just became full (vectors of equal length)."""
@@ -193,18 +197,52 @@ def allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, rows
     The caller has checked that the total of `blocks_needed` fits in `free_count`. Blocks are
     handed out in slot order, as BLIS allocates request by request.
     """
-    bs = dims.block_size
-    safe_rows = jnp.maximum(rows, 0)
-    nblocks = state.row_nblocks[safe_rows].astype(jnp.int64)
-    offset = state.row_offset[safe_rows]
-    kv = state.row_kv_tokens[safe_rows] - offset  # tokens held by the row's own blocks
-    need = jnp.where(active, blocks_needed(dims, nblocks, kv, new_tokens), 0)
-    total = jnp.sum(need)
+    total = jnp.sum(_rows_kv(state, dims, rows, new_tokens, active)[-1])
     # one row at a time needs at most a chunk's worth of blocks; a whole batch more
-    max_blocks = dims.alloc_blocks if len(need) > 1 else dims.row_alloc_blocks
+    max_blocks = dims.alloc_blocks if len(rows) > 1 else dims.row_alloc_blocks
     state = dataclasses.replace(
         state, result=state.result | jnp.where(total > max_blocks, results.ALLOC_OVERFLOW, 0).astype(jnp.int32)
     )
+    small = min(max_blocks, SMALL_ALLOCATION)
+    if small == max_blocks or len(rows) == 1:  # one row: once per admission, not every step
+        return _allocate_rows(state, dims, req, rows, new_tokens, active, total_kv_blocks, max_blocks)
+
+    # The per-call work scales with the static block count, and most steps allocate a few
+    # blocks: those take the small program, the prompt chunks that need more the full one.
+    # Loops of at most one iteration (not cond) so that under vmap each runs only if a lane needs it.
+    def sized(size, wanted):
+        def body(c, ops, on):
+            state, done = c
+            req, rows, new_tokens, active, total_kv_blocks, _ = ops
+            return _allocate_rows(state, dims, req, rows, new_tokens, active & on, total_kv_blocks, size), done | on
+
+        def cond(c, ops):
+            return ~c[1] & wanted(ops[-1])
+
+        return cond, body
+
+    ops = (req, rows, new_tokens, active, total_kv_blocks, total)
+    for size, wanted in ((small, lambda t: t <= small), (max_blocks, lambda t: t > small)):
+        state, _ = masked_while(*sized(size, wanted), (state, jnp.asarray(False)), ops)
+    return state
+
+
+def _rows_kv(state: EngineState, dims: EngineDims, rows, new_tokens, active):
+    """(safe rows, their block counts, token offsets, tokens held by their own blocks, new
+    blocks needed)."""
+    safe_rows = jnp.maximum(rows, 0)
+    nblocks = state.row_nblocks[safe_rows].astype(jnp.int64)
+    offset = state.row_offset[safe_rows]
+    kv = state.row_kv_tokens[safe_rows] - offset
+    return safe_rows, nblocks, offset, kv, jnp.where(active, blocks_needed(dims, nblocks, kv, new_tokens), 0)
+
+
+def _allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, rows, new_tokens, active,
+                   total_kv_blocks, max_blocks: int):
+    """`allocate_rows` with room for `max_blocks` (static) new blocks in all."""
+    bs = dims.block_size
+    safe_rows, nblocks, offset, kv, need = _rows_kv(state, dims, rows, new_tokens, active)
+    total = jnp.sum(need)
     state, ids = pop_blocks(state, dims, total, total_kv_blocks, max_blocks)
     new_kv = kv + jnp.where(active, new_tokens, 0)
     r = state.row_req[safe_rows]
@@ -277,9 +315,6 @@ def claim_cached(state: EngineState, dims: EngineDims, row, blocks, n_hit, activ
     use = j < n_hit
     row_target = jnp.where(active, row, dims.rows)
     row_blocks = state.row_blocks.at[row_target].set(jnp.where(use, blocks, -1).astype(jnp.int32), mode="drop")
-    # `blocks` may come from the table just updated: read them back from the new table (see
-    # allocate_rows) rather than keep the old table alive.
-    blocks = row_blocks[jnp.minimum(row, dims.rows - 1)]
     target = jnp.where(use, blocks, dims.kv_blocks)
     was_free = use & state.block_free[jnp.maximum(blocks, 0)]
     return dataclasses.replace(
