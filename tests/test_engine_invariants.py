@@ -16,6 +16,7 @@ see engine_helpers), so the file compiles the engine twice.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
 
 import chex
@@ -332,8 +333,36 @@ def test_deterministic(name):
 
 
 def test_agrees_with_oracle(name):
+    assert_agrees_with_oracle(name, chunked_output(name))
+
+
+def test_split_allocation_agrees_with_oracle(monkeypatch):
+    """At large allocation dims a step allocates with a small program when it can and the full
+    one otherwise (kv.allocate_rows); both paths, taken in one run, agree with the oracle."""
+    from blis_jax.engine import kv
+
+    small = 2  # most steps of this scenario allocate more blocks, some fewer
+    monkeypatch.setattr(kv, "SMALL_ALLOCATION", small)
+    traced_sizes = set()
+    allocate = kv._allocate_rows
+
+    def recording(*args):
+        traced_sizes.add(args[-1])
+        return allocate(*args)
+
+    monkeypatch.setattr(kv, "_allocate_rows", recording)
+    name = "prefix_groups"
     requests, settings = scenario(name)
-    out = chunked_output(name)
+    # an alloc_blocks no other test compiles, so this run traces (and takes) the split path
+    split = {key: dataclasses.replace(floor, alloc_blocks=2 * max(floor.alloc_blocks, kv.SPLIT_ALLOCATION_FROM))
+             for key, floor in floors().items()}
+    out = simulate(requests, settings, latency_model(), split)
+    assert {small, split[("fcfs", "fcfs")].alloc_blocks} <= traced_sizes, traced_sizes
+    assert_agrees_with_oracle(name, out)
+
+
+def assert_agrees_with_oracle(name: str, out: so.SimOutput) -> None:
+    requests, settings = scenario(name)
     per, counters = run_oracle(requests, settings, latency_model())
     ids = requests.request_id
     for key in ("status", "ttft_us", "e2e_us", "sched_delay_us", "itl_sum_us", "num_itl", "output_tokens"):

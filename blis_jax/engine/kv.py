@@ -177,6 +177,7 @@ def release_row(state: EngineState, dims: EngineDims, row, active=True) -> Engin
 # Block count of the small allocation program (see allocate_rows): a decode step of a full
 # 128-slot batch needs at most one new block per request.
 SMALL_ALLOCATION = 128
+SPLIT_ALLOCATION_FROM = 1024  # alloc_blocks from which steps take the small program when they can
 
 
 def register_full_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r, blocks, block_index, full):
@@ -204,7 +205,9 @@ def allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, rows
         state, result=state.result | jnp.where(total > max_blocks, results.ALLOC_OVERFLOW, 0).astype(jnp.int32)
     )
     small = min(max_blocks, SMALL_ALLOCATION)
-    if small == max_blocks or len(rows) == 1:  # one row: once per admission, not every step
+    # One row: once per admission, not every step. A second program lengthens every compile,
+    # so it is kept for dims where the full one is much larger (large token budgets, covers).
+    if max_blocks < SPLIT_ALLOCATION_FROM or len(rows) == 1:
         return _allocate_rows(state, dims, req, rows, new_tokens, active, total_kv_blocks, max_blocks)
 
     # The per-call work scales with the static block count, and most steps allocate a few
