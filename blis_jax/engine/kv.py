@@ -318,6 +318,9 @@ def claim_cached(state: EngineState, dims: EngineDims, row, blocks, n_hit, activ
     use = j < n_hit
     row_target = jnp.where(active, row, dims.rows)
     row_blocks = state.row_blocks.at[row_target].set(jnp.where(use, blocks, -1).astype(jnp.int32), mode="drop")
+    # `blocks` as given, not read back from the table just written: that read feeds the free
+    # count, which the next allocation's table scatter does not wait for, so XLA copied the
+    # whole table twice per admission.
     target = jnp.where(use, blocks, dims.kv_blocks)
     was_free = use & state.block_free[jnp.maximum(blocks, 0)]
     return dataclasses.replace(
