@@ -30,6 +30,7 @@ from blis_jax.engine.status import (
     NOT_ARRIVED,
     QUEUED,
     REJECTED,
+    ROUTING_REJECTED,
     RUNNING,
     TIMED_OUT,
 )
@@ -357,7 +358,8 @@ class AnomalyCounters:
 def anomaly_counters(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcfs",
                      hol_blocking_events: int = 0, rejected_routing: int = 0) -> AnomalyCounters:
     """Anomaly figures from the run. HOL blocking events are the cluster run's
-    (`out.hol_blocking_events`) unless given; routing rejections are passed in; priority
+    (`out.hol_blocking_events`) unless given; routing rejections are the ROUTING_REJECTED rows plus
+    `rejected_routing`; priority
     inversions are counted only under the `priority-fcfs` scheduler, as in BLIS."""
     _check_aligned(out, requests)
     rejected = out.status == REJECTED
@@ -369,7 +371,7 @@ def anomaly_counters(out: SimOutput, requests: RequestSet, *, scheduler: str = "
         hol_blocking_events=int(hol_blocking_events or out.hol_blocking_events),
         rejected_admission=int(rejected.sum()),
         shed_by_class=tuple(sorted(shed.items())),
-        rejected_routing=int(rejected_routing),
+        rejected_routing=int(rejected_routing) + int((out.status == ROUTING_REJECTED).sum()),
         dropped_unservable=int(out.dropped_unservable.sum()),
         timed_out=int(out.timed_out.sum()),
         length_capped=int(out.length_capped.sum()),
@@ -462,6 +464,45 @@ def per_slo_latencies(out: SimOutput, requests: RequestSet,
                           out.e2e_us[rows].astype(np.float64))
         stats.append(ClassLatency(cls, int(rows.sum()), _mean(ttft), _percentile(ttft, 99),
                                   _mean(itl), _percentile(itl, 99), _mean(e2e), _percentile(e2e, 99)))
+    return tuple(stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLatency:
+    """One model of the `=== Per-Model Metrics ===` section (blis-infra §5.4): TTFT over the
+    requests with a first token, E2E over the completed ones (p50, p99 in µs), and their
+    throughput over the run (tokens: the planned output lengths, as BLIS counts them)."""
+
+    model: str
+    ttft_p50_us: float
+    ttft_p99_us: float
+    ttft_count: int
+    e2e_p50_us: float
+    e2e_p99_us: float
+    e2e_count: int
+    requests_per_s: float
+    tokens_per_s: float
+
+
+def per_model_latencies(out: SimOutput, requests: RequestSet) -> tuple[ModelLatency, ...]:
+    """Per-model summary of the requests tagged with a model, models in byte order; () when
+    none has a TTFT or E2E entry (BLIS prints no section)."""
+    _check_aligned(out, requests)
+    models = np.asarray(requests.model, dtype=object)
+    has_ttft = (out.ttft_us >= 0) & (models != "")
+    done = out.completed_mask() & (models != "")
+    duration_s = float(int(out.sim_end_us.max())) / 1e6 if out.num_instances else 0.0
+    stats = []
+    for model in sorted(set(models[has_ttft | done].tolist()), key=lambda m: m.encode()):
+        ttft = out.ttft_us[has_ttft & (models == model)].astype(np.float64)
+        rows = done & (models == model)
+        e2e = out.e2e_us[rows].astype(np.float64)
+        count, tokens = int(rows.sum()), int(requests.output_len[rows].sum())
+        rate = duration_s > 0 and count > 0
+        stats.append(ModelLatency(
+            model=model, ttft_p50_us=_percentile(ttft, 50), ttft_p99_us=_percentile(ttft, 99), ttft_count=len(ttft),
+            e2e_p50_us=_percentile(e2e, 50), e2e_p99_us=_percentile(e2e, 99), e2e_count=count,
+            requests_per_s=count / duration_s if rate else 0.0, tokens_per_s=tokens / duration_s if rate else 0.0))
     return tuple(stats)
 
 

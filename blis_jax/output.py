@@ -26,11 +26,13 @@ from blis_jax.metrics import (
     AnomalyCounters,
     ClassLatency,
     KVCacheMetrics,
+    ModelLatency,
     SessionSummary,
     TenantUsage,
     anomaly_counters,
     kv_cache_metrics,
     metrics_output,
+    per_model_latencies,
     per_slo_latencies,
     per_tenant_usage,
     request_records,
@@ -43,6 +45,7 @@ METRICS_HEADER = "=== Simulation Metrics ==="
 ANOMALY_HEADER = "=== Anomaly Counters ==="
 KV_CACHE_HEADER = "=== KV Cache Metrics ==="
 PER_SLO_HEADER = "=== Per-SLO Metrics ==="
+PER_MODEL_HEADER = "=== Per-Model Metrics ==="
 PER_TENANT_HEADER = "=== Per-Tenant Metrics ==="
 SESSION_HEADER = "=== Session Metrics ==="
 
@@ -158,6 +161,19 @@ def format_per_slo_section(stats: Sequence[ClassLatency]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_per_model_section(stats: Sequence[ModelLatency]) -> str:
+    """The Per-Model Metrics section (p50 / p99 in µs, unlabelled, as BLIS prints them)."""
+    if not stats:
+        return ""
+    lines = [PER_MODEL_HEADER]
+    for m in stats:
+        lines += [f"  {m.model}:",
+                  f"    TTFT: p50={m.ttft_p50_us:.2f} p99={m.ttft_p99_us:.2f} (n={m.ttft_count})",
+                  f"    E2E:  p50={m.e2e_p50_us:.2f} p99={m.e2e_p99_us:.2f} (n={m.e2e_count})",
+                  f"    Throughput: {m.requests_per_s:.2f} req/s, {m.tokens_per_s:.2f} tok/s"]
+    return "\n".join(lines) + "\n"
+
+
 def format_per_tenant_section(usage: TenantUsage | None) -> str:
     if usage is None:
         return ""
@@ -191,7 +207,7 @@ def render_stdout(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcf
                   extra_sections: Sequence[str] = (),
                   instance_outputs: Sequence[SimOutput] | None = None) -> str:
     """The `run` / `replay` stdout: per-instance blocks (more than one instance), the cluster
-    block, then the Anomaly, KV-cache, Per-SLO, Per-Tenant and Session sections when they
+    block, then the Anomaly, KV-cache, Per-SLO, Per-Model, Per-Tenant and Session sections when they
     apply, then `extra_sections` (already formatted, e.g. PD metrics, produced elsewhere).
     `instance_outputs[k]` is what instance k itself served, when that differs from the
     request-level `out` (PD sub-requests)."""
@@ -205,6 +221,7 @@ def render_stdout(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcf
         rejected_routing=rejected_routing)))
     parts.append(format_kv_cache_section(kv_cache_metrics(out, thrashing_rate)))
     parts.append(format_per_slo_section(per_slo_latencies(out, requests, goodput_targets)))
+    parts.append(format_per_model_section(per_model_latencies(out, requests)))
     parts.append(format_per_tenant_section(per_tenant_usage(out, requests)))
     parts.append(format_session_section(session_summary(out, requests)))
     parts.extend(extra_sections)

@@ -114,6 +114,17 @@ class ClusterParams(eqx.Module):
     total_kv_blocks: Int64[Array, " I"]  # each slot's own (deployments.py); the engine params' is unused
     max_model_len: Int64[Array, " I"]
     gateway: gw.GatewayParams | None  # flow control (None without)
+    # multi-model (blis-infra §5): model ids, -1 = a request without a model (any instance
+    # serves it); a request whose model no instance serves has an id no instance has
+    instance_model: Int32[Array, " I"]
+    request_model: Int32[Array, " N"]
+
+
+def eligible(cparams: ClusterParams, r) -> Bool[Array, " I"]:
+    """Routable instances that may serve request r: its model is empty or theirs (a byte
+    comparison: BLIS lower-cases --model, not the requests' model names)."""
+    wanted = cparams.request_model[r]
+    return cparams.active & ((wanted < 0) | (cparams.instance_model == wanted))
 
 
 class ClusterState(eqx.Module):
@@ -317,7 +328,8 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     live = live_signals(cs.instances, cparams.total_kv_blocks, cd.engine.block_size)
     # A RouterState build re-reads the stale signals of the instances it covers: all of them,
     # or with PD pools the decode pool (then the prefill pool, for a disaggregated request).
-    covered = cparams.active & cparams.decode_role if cd.pd else cparams.active
+    # Without PD pools it covers only the instances that serve the request's model (§5.2).
+    covered = cparams.active & cparams.decode_role if cd.pd else eligible(cparams, r)
     snapshot = signals.refresh(cs.snapshot, live, t_route, covered)
     cache_signal = cs.cache_signal
     if cd.reads_prefix_cache:
@@ -328,7 +340,7 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     prefill_routing, decode_routing = cs.prefill_routing, cs.decode_routing
     prefill_router, decode_router = cs.prefill_router, cs.decode_router
     if not cd.pd:
-        rs = signals.router_state(snapshot, in_flight, cparams.active)
+        rs = signals.router_state(snapshot, in_flight, covered)
         policy, target, router = cs.routing.route(rs, route_req, cs.router)
         disaggregated, prefill = jnp.asarray(False), jnp.asarray(-1, jnp.int64)
     else:
@@ -357,8 +369,9 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
             new, prefill, drawn = policy.route(rs_p, route_req, router)
             policy, router = when(disaggregated, new, policy), when(disaggregated, drawn, router)
         disaggregated = disaggregated & (prefill >= 0)
-    # Only a decision that happened changes router state (the body runs masked).
-    keep = functools.partial(when, admitted)
+    # Only a decision that happened changes router state (the body runs masked); a request
+    # that no routable instance serves is rejected before the policy runs (no draw, no count).
+    keep = functools.partial(when, admitted & jnp.any(covered))
     decided = dataclasses.replace(
         cs,
         admission=when(on, admission, cs.admission),
@@ -397,7 +410,7 @@ def _admission_event(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, 
     """AdmissionDecision of request r (a state-reading policy): a RouterState build at the
     admission time over every routable instance (refreshing the stale snapshot, as a routing
     build does)."""
-    snapshot, rs = _cluster_router_state(cs, cd, cparams, t_admit)
+    snapshot, rs = _cluster_router_state(cs, cd, cparams, t_admit, eligible(cparams, r))
     policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r], adm.cluster_priority(req.priority[r]), rs)
     n = cs.rejected.shape[0]
     return dataclasses.replace(
@@ -409,13 +422,15 @@ def _admission_event(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, 
     )
 
 
-def _cluster_router_state(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, now):
-    """(refreshed snapshot, RouterState) of a RouterState build at `now` over every routable
-    instance, outside routing (admission, gateway dispatch): it refreshes the stale snapshot
-    as a routing build does."""
+def _cluster_router_state(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, now, covered=None):
+    """(refreshed snapshot, RouterState) of a RouterState build at `now` over `covered`
+    (default: every routable instance), outside routing (admission sees the instances that
+    serve the request's model, gateway dispatch all): it refreshes the stale snapshot as a
+    routing build does."""
+    covered = cparams.active if covered is None else covered
     live = live_signals(cs.instances, cparams.total_kv_blocks, cd.engine.block_size)
-    snapshot = signals.refresh(cs.snapshot, live, now, cparams.active)
-    return snapshot, signals.router_state(snapshot, _in_flight(cs), cparams.active)
+    snapshot = signals.refresh(cs.snapshot, live, now, covered)
+    return snapshot, signals.router_state(snapshot, _in_flight(cs), covered)
 
 
 def _in_flight(cs: ClusterState) -> Int64[Array, " I"]:

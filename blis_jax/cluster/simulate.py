@@ -72,6 +72,9 @@ class ClusterConfig:
     prefill_routing_scorers: str | None = None  # weighted routing inside the prefill pool
     decode_routing_scorers: str | None = None
     flow_control: gw.FlowControlConfig | None = None  # the gateway queue (--flow-control); None = off
+    # the model every instance serves (BLIS: --model lower-cased): a request tagged with another
+    # model is rejected at routing (blis-infra §5); None = every instance serves every request
+    served_model: str | None = None
 
     def validate(self) -> ClusterConfig:
         n = self.num_instances
@@ -240,6 +243,7 @@ def simulate_cluster_views(
             kv_bytes_per_token=jnp.asarray(float(kv_bytes_per_token), jnp.float64),
             total_kv_blocks=deployed.total_kv_blocks, max_model_len=deployed.max_model_len,
             gateway=gw.padded(gateway, edims.num_requests) if gateway is not None else None,
+            **model_ids(requests, cluster, edims.num_requests),
         )
         req = request_arrays(requests, edims)
         streams = tuple(go_stream(subsystem_seed(cluster.seed, name))   # blis-rng §2: seed XOR fnv1a64(name)
@@ -266,6 +270,25 @@ def simulate_cluster_views(
 
     cs, edims, code, readers = run_growing(attempt)
     return merge_outputs(cs, edims, params, requests, code, readers, cluster.num_instances, cluster.pd)
+
+
+def model_ids(requests: RequestSet, cluster: ClusterConfig, padded_to: int) -> dict:
+    """`ClusterParams.instance_model` / `request_model`: every slot serves model 0 (the served
+    model); a request's id is -1 without a model (or when instances serve every model), 0 for
+    the served model and 1 for any other (no instance has it)."""
+    wanted = np.full(padded_to, -1, np.int32)
+    if cluster.served_model is not None:
+        names = np.asarray(requests.model, dtype=object)
+        wanted[:len(requests)] = np.where(names == "", -1, np.where(names == cluster.served_model, 0, 1))
+    return dict(instance_model=jnp.zeros(cluster.slots, jnp.int32), request_model=jnp.asarray(wanted))
+
+
+def unservable_models(requests: RequestSet, served_model: str | None) -> bool:
+    """Some request names a model no instance serves (rejected at routing)."""
+    if served_model is None:
+        return False
+    names = np.asarray(requests.model, dtype=object)
+    return bool(np.any((names != "") & (names != served_model)))
 
 
 _init = jax.jit(loop.init_cluster, static_argnums=0)
@@ -332,8 +355,8 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
     views = None
     if pd:
         fields, views = _pd_parents(fields, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n)
-    rejected = np.asarray(host.rejected[:n]) | np.asarray(host.routing_rejected[:n])
-    fields["status"][rejected] = so.REJECTED
+    fields["status"][np.asarray(host.rejected[:n])] = so.REJECTED
+    fields["status"][np.asarray(host.routing_rejected[:n])] = so.ROUTING_REJECTED
     if host.gateway is not None:
         fields.update(_gateway_outcomes(fields["status"], host.gateway, n))
     return so.SimOutput(**fields, result=code, hol_blocking_events=hol_blocking_events(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 from blis_jax import limits
 from blis_jax.cluster.deployments import PoolDeployment
-from blis_jax.cluster.simulate import ClusterConfig
+from blis_jax.cluster.simulate import ClusterConfig, unservable_models
 from blis_jax.config import auto_kv_blocks, auto_max_model_len, load_coefficients, load_gpu, load_model
 from blis_jax.config.kv_capacity import kv_bytes_per_token
 from blis_jax.errors import ConfigError
@@ -80,10 +80,12 @@ class ResolvedScenario:
     @property
     def single_instance(self) -> bool:
         """Served by the single-instance engine: one instance that admits every request at its
-        arrival (no admission or routing latency, no gateway queue)."""
+        arrival (no admission or routing latency, no gateway queue) and serves every request's
+        model (else the cluster loop rejects the others at routing, as BLIS does)."""
         c = self.cluster
         return (c.num_instances == 1 and c.admission_policy == "always-admit" and c.flow_control is None
-                and c.admission_latency_us == 0 and c.routing_latency_us == 0)
+                and c.admission_latency_us == 0 and c.routing_latency_us == 0
+                and not (self.requests is not None and unservable_models(self.requests, c.served_model)))
 
     @property
     def params(self):
@@ -132,6 +134,8 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
     warn = warn or _python_warning
     d, e = config.deployment, config.engine
     cluster = dataclasses.replace(config.cluster, seed=config.effective_seed).validate()
+    if cluster.served_model is None:  # BLIS: every instance serves --model lower-cased (blis-infra §5.1)
+        cluster = dataclasses.replace(cluster, served_model=str(d.model).lower())
     kind, alpha, beta = _coefficients(d)
     arch = load_model(d.model)  # ids are matched case-insensitively, as BLIS lower-cases them
     hardware, tp = _hardware_and_tp(d, arch.hf_id)

@@ -91,7 +91,7 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
     `progress(finished, total, simulated_us)` is called between chunks of `events_per_chunk`
     engine events. Raises `ConfigError` for bad input, `SimulationFailed` when the engine
     could not finish."""
-    from blis_jax.cluster.simulate import simulate_cluster_views
+    from blis_jax.cluster.simulate import simulate_cluster_views, unservable_models
     from blis_jax.engine import results as result_codes
     from blis_jax.engine.simulate import simulate_instance, simulate_sessions
 
@@ -106,6 +106,11 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
         settings["events_per_chunk"] = events_per_chunk
     params, model, requests, views = resolved.params, resolved.latency_model, resolved.requests, None
     if resolved.sessions is not None:
+        served = resolved.cluster.served_model
+        if unservable_models(requests, served):
+            raise ConfigError(f"{name('workload.spec')}: closed-loop sessions tagged with a model other than {served!r} "
+                              f"(the instances' model, {name('deployment.model')} lower-cased) would be rejected at "
+                              "routing, which the session engine does not simulate; tag them with that model or none")
         if not resolved.single_instance:
             raise ConfigError(f"{name('workload.spec')}: closed-loop sessions run on one instance with always-admit "
                               f"for now; use {name('cluster.num_instances')} 1 and {name('cluster.admission_policy')} "
