@@ -72,6 +72,24 @@ def test_per_model_section_partitions_tagged_requests():
         "    Throughput: 1.00 req/s, 25.00 tok/s\n")
 
 
+def test_we19_per_model_metrics():
+    """blis-infra §7 WE-19: five llama and three qwen requests, SimEndedTime 10 s, 0 planned tokens."""
+    requests = _requests(["llama"] * 5 + ["qwen"] * 3, output_len=np.zeros(8, np.int64))
+    out = _output(status=[COMPLETED] * 8, ttft=[100, 200, 300, 400, 500, 200, 400, 600],
+                  e2e=[500, 1000, 1500, 2000, 2500, 800, 1600, 2400], sim_end_us=10_000_000)
+    assert format_per_model_section(per_model_latencies(out, requests)) == (
+        "=== Per-Model Metrics ===\n"
+        "  llama:\n"
+        "    TTFT: p50=300.00 p99=496.00 (n=5)\n"
+        "    E2E:  p50=1500.00 p99=2480.00 (n=5)\n"
+        "    Throughput: 0.50 req/s, 0.00 tok/s\n"
+        "  qwen:\n"
+        "    TTFT: p50=400.00 p99=596.00 (n=3)\n"
+        "    E2E:  p50=1600.00 p99=2384.00 (n=3)\n"
+        "    Throughput: 0.30 req/s, 0.00 tok/s\n")
+    assert per_model_latencies(out, _requests([""] * 8)) == ()
+
+
 def test_routing_rejections_are_counted_apart_from_admission_and_have_no_record():
     requests = _requests(["", "x/y", ""])
     out = _output(status=[COMPLETED, ROUTING_REJECTED, COMPLETED], ttft=[100, -1, 100], e2e=[1000, -1, 1000])
