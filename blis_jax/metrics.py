@@ -30,6 +30,7 @@ from blis_jax.engine.status import (
     NOT_ARRIVED,
     QUEUED,
     REJECTED,
+    ROUTING_REJECTED,
     RUNNING,
     TIMED_OUT,
 )
@@ -357,7 +358,8 @@ class AnomalyCounters:
 def anomaly_counters(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcfs",
                      hol_blocking_events: int = 0, rejected_routing: int = 0) -> AnomalyCounters:
     """Anomaly figures from the run. HOL blocking events are the cluster run's
-    (`out.hol_blocking_events`) unless given; routing rejections are passed in; priority
+    (`out.hol_blocking_events`) unless given; routing rejections are the requests with status
+    ROUTING_REJECTED, plus `rejected_routing` (rejections not in `out`); priority
     inversions are counted only under the `priority-fcfs` scheduler, as in BLIS."""
     _check_aligned(out, requests)
     rejected = out.status == REJECTED
@@ -369,7 +371,7 @@ def anomaly_counters(out: SimOutput, requests: RequestSet, *, scheduler: str = "
         hol_blocking_events=int(hol_blocking_events or out.hol_blocking_events),
         rejected_admission=int(rejected.sum()),
         shed_by_class=tuple(sorted(shed.items())),
-        rejected_routing=int(rejected_routing),
+        rejected_routing=int(rejected_routing) + int((out.status == ROUTING_REJECTED).sum()),
         dropped_unservable=int(out.dropped_unservable.sum()),
         timed_out=int(out.timed_out.sum()),
         length_capped=int(out.length_capped.sum()),

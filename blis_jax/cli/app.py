@@ -135,6 +135,9 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="router's instance-signal staleness: re-read at most every US µs (default 50000; 0 = live)")
     g.add_argument("--cache-signal-delay", type=int, default=50_000, metavar="US",
                    help="router's prefix-cache view is re-taken every US µs (default 50000; 0 = live)")
+    g.add_argument("--policy-config", default=None, metavar="FILE",
+                   help="BLIS policy bundle YAML: admission/routing/scheduler/preemption defaults (flags win), "
+                        "node_pools and instance_lifecycle (strict keys)")
 
     g = p.add_argument_group("cluster: flow control (gateway queue between admission and routing)")
     g.add_argument("--flow-control", action="store_true",

@@ -23,6 +23,7 @@ from blis_jax.engine.status import (  # noqa: E402,F401  (re-exported: outputs n
     NOT_ARRIVED,
     QUEUED,
     REJECTED,
+    ROUTING_REJECTED,
     RUNNING,
     STATUS_NAMES,
     TIMED_OUT,
