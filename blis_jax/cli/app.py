@@ -492,11 +492,14 @@ def resolve_command(args, diag: Diagnostics) -> ResolvedScenario:
         return resolve(config, warn=diag.warn)
 
 
-def simulate_command(resolved: ResolvedScenario, args, stderr: TextIO) -> SimulationResult:
+def simulate_command(resolved: ResolvedScenario, args, stderr: TextIO, diag: Diagnostics | None = None
+                     ) -> SimulationResult:
     """Simulate with a progress reporter when stderr is a terminal or --progress."""
     tty = bool(getattr(stderr, "isatty", lambda: False)())
     reporter = ProgressReporter(stderr, tty) if (tty or args.progress) else None
     extra = {"progress": reporter, "events_per_chunk": PROGRESS_EVENTS_PER_CHUNK} if reporter else {}
+    if diag is not None:
+        extra["warn"] = diag.warn
     try:
         with naming(FLAG_OF_FIELD):
             return simulate(resolved, **extra)
@@ -518,7 +521,7 @@ def write_outputs(args, result: SimulationResult, stdout: TextIO) -> None:
 
 def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     _check_output_paths(args)
-    write_outputs(args, simulate_command(resolve_command(args, diag), args, stderr), stdout)
+    write_outputs(args, simulate_command(resolve_command(args, diag), args, stderr, diag), stdout)
     return 0
 
 
