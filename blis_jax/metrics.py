@@ -358,8 +358,8 @@ class AnomalyCounters:
 def anomaly_counters(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcfs",
                      hol_blocking_events: int = 0, rejected_routing: int = 0) -> AnomalyCounters:
     """Anomaly figures from the run. HOL blocking events are the cluster run's
-    (`out.hol_blocking_events`) unless given; routing rejections are the ROUTING_REJECTED rows plus
-    `rejected_routing`; priority
+    (`out.hol_blocking_events`) unless given; routing rejections are the requests with status
+    ROUTING_REJECTED, plus `rejected_routing` (rejections not in `out`); priority
     inversions are counted only under the `priority-fcfs` scheduler, as in BLIS."""
     _check_aligned(out, requests)
     rejected = out.status == REJECTED

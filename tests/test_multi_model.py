@@ -102,13 +102,13 @@ def test_routing_rejections_are_counted_apart_from_admission_and_have_no_record(
 
 
 def test_eligible_instances_by_model_id():
-    cparams = dataclasses.replace(_params(4), active=jnp.array([True, True, True, False]),
-                                  instance_model=jnp.array([0, 1, 0, 0], jnp.int32),
+    cparams = dataclasses.replace(_params(4), instance_model=jnp.array([0, 1, 0, 0], jnp.int32),
                                   request_model=jnp.array([-1, 0, 1, 2], jnp.int32))
-    assert loop.eligible(cparams, 0).tolist() == [True, True, True, False]     # untagged: every routable one
-    assert loop.eligible(cparams, 1).tolist() == [True, False, True, False]
-    assert loop.eligible(cparams, 2).tolist() == [False, True, False, False]
-    assert loop.eligible(cparams, 3).tolist() == [False, False, False, False]   # nobody serves model 2
+    routable = jnp.array([True, True, True, False])
+    assert loop.eligible(cparams, routable, 0).tolist() == [True, True, True, False]   # untagged: every routable one
+    assert loop.eligible(cparams, routable, 1).tolist() == [True, False, True, False]
+    assert loop.eligible(cparams, routable, 2).tolist() == [False, True, False, False]
+    assert loop.eligible(cparams, routable, 3).tolist() == [False, False, False, False]   # nobody serves model 2
 
 
 def _params(slots):
@@ -165,26 +165,32 @@ def test_f05_through_the_library_api_is_byte_identical(tmp_path):
 @pytest.mark.slow
 def test_wrong_model_requests_leave_the_others_untouched():
     """One instance: requests tagged with another model are rejected at routing and change
-    nothing for the rest (the same results as a run without them)."""
-    n = 40
+    nothing for the rest: the same results as a run where they arrive after the horizon (one
+    compiled program for both runs: the same request set shapes)."""
+    n, horizon = 40, 10**9
     rng = np.random.default_rng(3)
     models = np.where(np.arange(n) % 3 == 1, "other/model", np.where(np.arange(n) % 3 == 2, SERVED, ""))
     arrival = np.cumsum(rng.integers(2_000, 40_000, n))
+    served = models != "other/model"
+    config = ScenarioConfig(deployment=Deployment(model="meta-llama/Llama-3.1-8B-Instruct", total_kv_blocks=2000))
+    resolved = resolve_deployment(config, horizon_us=horizon)
+
     inputs, outputs = rng.integers(50, 900, n), rng.integers(5, 120, n)
 
-    def run(keep):
-        requests = make_request_set(request_id=np.arange(keep.sum()), arrival_us=arrival[keep],
-                                    input_len=inputs[keep], output_len=outputs[keep], model=models[keep])
-        config = ScenarioConfig(deployment=Deployment(model="meta-llama/Llama-3.1-8B-Instruct", total_kv_blocks=2000))
-        resolved = dataclasses.replace(resolve_deployment(config, horizon_us=None), requests=requests)
-        return simulate(resolved)
+    def run(rows, arrival, models):
+        requests = make_request_set(request_id=rows, arrival_us=arrival[rows], input_len=inputs[rows],
+                                    output_len=outputs[rows], model=models[rows])
+        return simulate(dataclasses.replace(resolved, requests=requests))
 
-    everyone = run(np.ones(n, bool))
-    served = models != "other/model"
-    alone = run(served)
+    everyone = run(np.arange(n), arrival, models)
+    # the same rows, the wrong-model ones last (requests are in arrival order), past the horizon
+    order = np.concatenate([np.flatnonzero(served), np.flatnonzero(~served)])
+    late = run(order, np.where(served, arrival, horizon + 1), models)
     out = everyone.output
     assert (out.status == ROUTING_REJECTED).tolist() == (~served).tolist()
+    assert (late.output.status == NOT_ARRIVED).tolist() == sorted((~served).tolist())
     assert anomaly_counters(out, everyone.requests).rejected_routing == (~served).sum()
+    k = served.sum()
     for field in ("ttft_us", "e2e_us", "itl_sum_us", "status"):
-        assert getattr(out, field)[served].tolist() == getattr(alone.output, field).tolist(), field
+        assert getattr(out, field)[served].tolist() == getattr(late.output, field)[:k].tolist(), field
     assert json.loads(json.dumps(metrics_output(out, everyone.requests)))["injected_requests"] == served.sum()

@@ -135,6 +135,9 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="router's instance-signal staleness: re-read at most every US µs (default 50000; 0 = live)")
     g.add_argument("--cache-signal-delay", type=int, default=50_000, metavar="US",
                    help="router's prefix-cache view is re-taken every US µs (default 50000; 0 = live)")
+    g.add_argument("--policy-config", default=None, metavar="FILE",
+                   help="BLIS policy bundle YAML: admission/routing/scheduler/preemption defaults (flags win), "
+                        "node_pools and instance_lifecycle (strict keys)")
 
     g = p.add_argument_group("cluster: flow control (gateway queue between admission and routing)")
     g.add_argument("--flow-control", action="store_true",
@@ -489,11 +492,14 @@ def resolve_command(args, diag: Diagnostics) -> ResolvedScenario:
         return resolve(config, warn=diag.warn)
 
 
-def simulate_command(resolved: ResolvedScenario, args, stderr: TextIO) -> SimulationResult:
+def simulate_command(resolved: ResolvedScenario, args, stderr: TextIO, diag: Diagnostics | None = None
+                     ) -> SimulationResult:
     """Simulate with a progress reporter when stderr is a terminal or --progress."""
     tty = bool(getattr(stderr, "isatty", lambda: False)())
     reporter = ProgressReporter(stderr, tty) if (tty or args.progress) else None
     extra = {"progress": reporter, "events_per_chunk": PROGRESS_EVENTS_PER_CHUNK} if reporter else {}
+    if diag is not None:
+        extra["warn"] = diag.warn
     try:
         with naming(FLAG_OF_FIELD):
             return simulate(resolved, **extra)
@@ -515,7 +521,7 @@ def write_outputs(args, result: SimulationResult, stdout: TextIO) -> None:
 
 def cmd_run(args, stdout: TextIO, stderr: TextIO, diag: Diagnostics) -> int:
     _check_output_paths(args)
-    write_outputs(args, simulate_command(resolve_command(args, diag), args, stderr), stdout)
+    write_outputs(args, simulate_command(resolve_command(args, diag), args, stderr, diag), stdout)
     return 0
 
 

@@ -63,7 +63,7 @@ def scenario_config(args: argparse.Namespace, *, seed_given: bool) -> ScenarioCo
     `seed_given`: --seed was typed (otherwise a workload spec's own seed wins, as in BLIS)."""
     return ScenarioConfig(deployment=deployment(args), engine=engine_settings(args), workload=workload(args),
                           cluster=cluster(args), horizon_us=args.horizon,
-                          seed=int(args.seed) if seed_given else None)
+                          seed=int(args.seed) if seed_given else None, policy_config=args.policy_config)
 
 
 def deployment(args: argparse.Namespace) -> Deployment:

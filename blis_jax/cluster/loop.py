@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float64, Int32, Int64
 
 from blis_jax import latency
 from blis_jax.cluster import admission as adm
-from blis_jax.cluster import deployments, routing, signals
+from blis_jax.cluster import deployments, lifecycle, routing, signals
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import scorers as sc
@@ -104,7 +104,7 @@ def routing_dims(policy: routing.AbstractRouting, prefill: routing.AbstractRouti
 class ClusterParams(eqx.Module):
     """Dynamic cluster settings (changing them never recompiles)."""
 
-    active: Bool[Array, " I"]  # instance slots that exist and are routable
+    active: Bool[Array, " I"]  # instance slots that exist (the initial lifecycle without node pools)
     admission_latency_us: Int64[Array, ""]
     routing_latency_us: Int64[Array, ""]
     prefill_role: Bool[Array, " I"]  # pd: the prefill pool (its instances serve prompts only)
@@ -120,11 +120,11 @@ class ClusterParams(eqx.Module):
     request_model: Int32[Array, " N"]
 
 
-def eligible(cparams: ClusterParams, r) -> Bool[Array, " I"]:
-    """Routable instances that may serve request r: its model is empty or theirs (a byte
+def eligible(cparams: ClusterParams, routable: Bool[Array, " I"], r) -> Bool[Array, " I"]:
+    """The `routable` instances that may serve request r: its model is empty or theirs (a byte
     comparison: BLIS lower-cases --model, not the requests' model names)."""
     wanted = cparams.request_model[r]
-    return cparams.active & ((wanted < 0) | (cparams.instance_model == wanted))
+    return routable & ((wanted < 0) | (cparams.instance_model == wanted))
 
 
 class ClusterState(eqx.Module):
@@ -148,6 +148,7 @@ class ClusterState(eqx.Module):
     handled_by: Int32[Array, " N"]  # instance serving each request (pd: its decode instance); -1 none
     rejected: Bool[Array, " N"]  # refused by admission
     routing_rejected: Bool[Array, " N"]  # no routable instance
+    lifecycle: lifecycle.Lifecycle  # per-slot instance states: the routable mask (lifecycle.py)
     result: Int32[Array, ""]
 
 
@@ -218,9 +219,11 @@ def _route_request(cs: ClusterState, cd: ClusterDims, req: RequestArrays, r) -> 
 
 def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req: RequestArrays, model,
                  admission: adm.AbstractAdmission, routings, streams: tuple[GoStream, GoStream, GoStream],
-                 snapshot_interval_us, cache_signal_delay_us) -> ClusterState:
+                 snapshot_interval_us, cache_signal_delay_us, lifecycle_state: lifecycle.Lifecycle | None = None
+                 ) -> ClusterState:
     """`routings` = (the cluster's routing policy, the prefill pool's own, the decode pool's
-    own); a pool's is None without scorers of its own."""
+    own); a pool's is None without scorers of its own. `lifecycle_state`: the instances'
+    initial states (node pools, loading delays); None: every existing slot Active."""
     dims, i = cd.engine, cd.num_instances
     never = jnp.full(dims.num_requests, INF_TIME, jnp.int64)
     instances = jax.vmap(lambda blocks: inbox.empty(init_state(dims, req, never, params.horizon_us, blocks)))(
@@ -247,6 +250,10 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         handled_by=jnp.full(n, -1, jnp.int32),
         rejected=jnp.zeros(n, bool),
         routing_rejected=jnp.zeros(n, bool),
+        lifecycle=lifecycle_state if lifecycle_state is not None else lifecycle.Lifecycle(
+            state=jnp.where(cparams.active, lifecycle.ACTIVE, lifecycle.ABSENT).astype(jnp.int32),
+            loaded_at=jnp.full(i, INF_TIME, jnp.int64), gpus=jnp.zeros(i, jnp.int32),
+            gpu_owner=jnp.full(1, -1, jnp.int32)),
         result=jnp.asarray(0, jnp.int32),
     )
 
@@ -328,8 +335,9 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     live = live_signals(cs.instances, cparams.total_kv_blocks, cd.engine.block_size)
     # A RouterState build re-reads the stale signals of the instances it covers: all of them,
     # or with PD pools the decode pool (then the prefill pool, for a disaggregated request).
-    # Without PD pools it covers only the instances that serve the request's model (§5.2).
-    covered = cparams.active & cparams.decode_role if cd.pd else eligible(cparams, r)
+    # Without PD pools it covers only the routable instances that serve the request's model (§5.2).
+    routable = lifecycle.routable(cs.lifecycle)
+    covered = routable & cparams.decode_role if cd.pd else eligible(cparams, routable, r)
     snapshot = signals.refresh(cs.snapshot, live, t_route, covered)
     cache_signal = cs.cache_signal
     if cd.reads_prefix_cache:
@@ -348,7 +356,7 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         # without scorers of its own routes with the cluster's policy and draws from `router`
         # (one policy state: with round-robin both choices advance one shared counter); a pool
         # with its own scorers routes with its own policy and draws from its own stream.
-        rs = signals.router_state(snapshot, in_flight, cparams.active & cparams.decode_role)
+        rs = signals.router_state(snapshot, in_flight, routable & cparams.decode_role)
         if cs.decode_routing is not None:
             decode_routing, target, decode_router = cs.decode_routing.route(rs, route_req, cs.decode_router)
             policy, router = cs.routing, cs.router
@@ -357,9 +365,9 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         cached = route_req.cached_prefix_blocks[jnp.maximum(target, 0)]
         disaggregated = (target >= 0) & pd_rules.disaggregate(cparams.pd, req.input_len[r], cached,
                                                                cd.engine.block_size)
-        snapshot = when(disaggregated, signals.refresh(snapshot, live, t_route, cparams.active & cparams.prefill_role),
+        snapshot = when(disaggregated, signals.refresh(snapshot, live, t_route, routable & cparams.prefill_role),
                         snapshot)
-        rs_p = signals.router_state(snapshot, in_flight, cparams.active & cparams.prefill_role)
+        rs_p = signals.router_state(snapshot, in_flight, routable & cparams.prefill_role)
         # The prefill pick (and its draw) happens only for a disaggregated request.
         if cs.prefill_routing is not None:
             new, prefill, drawn = cs.prefill_routing.route(rs_p, route_req, cs.prefill_router)
@@ -410,7 +418,7 @@ def _admission_event(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, 
     """AdmissionDecision of request r (a state-reading policy): a RouterState build at the
     admission time over every routable instance (refreshing the stale snapshot, as a routing
     build does)."""
-    snapshot, rs = _cluster_router_state(cs, cd, cparams, t_admit, eligible(cparams, r))
+    snapshot, rs = _cluster_router_state(cs, cd, cparams, t_admit, eligible(cparams, lifecycle.routable(cs.lifecycle), r))
     policy, admitted = adm.admit(cs.admission, t_admit, req.input_len[r], adm.cluster_priority(req.priority[r]), rs)
     n = cs.rejected.shape[0]
     return dataclasses.replace(
@@ -427,8 +435,8 @@ def _cluster_router_state(cs: ClusterState, cd: ClusterDims, cparams: ClusterPar
     (default: every routable instance), outside routing (admission sees the instances that
     serve the request's model, gateway dispatch all): it refreshes the stale snapshot as a
     routing build does."""
-    covered = cparams.active if covered is None else covered
     live = live_signals(cs.instances, cparams.total_kv_blocks, cd.engine.block_size)
+    covered = lifecycle.routable(cs.lifecycle) if covered is None else covered
     snapshot = signals.refresh(cs.snapshot, live, now, covered)
     return snapshot, signals.router_state(snapshot, _in_flight(cs), covered)
 
@@ -547,12 +555,15 @@ def _next_prefill_time(cs: ClusterState, cparams: ClusterParams, params, req, ou
 
 
 def _refresh_due(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams):
-    """Earliest routing time at which a decision would re-read instance state (INF_TIME for a
-    policy that reads none: round-robin)."""
+    """Earliest routing time at which a decision could differ from one taken now: a signal
+    re-read (INF_TIME for a policy that reads none: round-robin), or an instance becoming
+    routable (an InstanceLoaded event)."""
+    loaded = lifecycle.next_loaded(cs.lifecycle)
     if not cd.routing_reads_signals:
-        return jnp.asarray(INF_TIME, jnp.int64)
+        return loaded
     snap = cs.snapshot
-    due = jnp.min(jnp.where(cparams.active, snap.last_refresh + snap.interval_us, INF_TIME))
+    due = jnp.minimum(loaded, jnp.min(jnp.where(lifecycle.routable(cs.lifecycle), snap.last_refresh + snap.interval_us,
+                                                 INF_TIME)))
     if cd.reads_prefix_cache:
         due = jnp.minimum(due, cs.cache_signal.last_us + cs.cache_signal.delay_us)
     return due
@@ -611,6 +622,10 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
     def body(c, ops, on):
         params, lparams, cparams, req, out_len, model, limit = ops
         t_cluster = _routing_or_transfer_time(c, cparams, params, req)
+        # InstanceLoaded events (past the horizon: never executed)
+        t_loaded = lifecycle.next_loaded(c.lifecycle)
+        t_loaded = jnp.where(t_loaded <= params.horizon_us, t_loaded, INF_TIME)
+        t_cluster = jnp.minimum(t_cluster, t_loaded)
         if cd.admission_reads_state:
             r_admission, t_admission = next_admission(c, cparams, params, req)
             t_cluster = jnp.minimum(t_cluster, t_admission)
@@ -630,8 +645,11 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.pd:
             c = _start_transfers(c, cd, params, cparams, req, t_prefill, caught & prefill_tick)
         go = caught & ~prefill_tick & (t_cluster < INF_TIME)
-        # same-tick order (BLIS's event priorities): admission 1, routing 2, TTL expiry and
-        # transfer completion 6, dispatch tick 7
+        # same-tick order (BLIS's event priorities): instance loaded -1, admission 1, routing 2,
+        # TTL expiry and transfer completion 6, dispatch tick 7
+        is_loaded = t_loaded <= t_cluster
+        c = dataclasses.replace(c, lifecycle=lifecycle.load(c.lifecycle, t_loaded, go & is_loaded))
+        go = go & ~is_loaded
         if cd.admission_reads_state:
             is_admission = t_admission <= t_cluster
             c = _admission_event(c, cd, cparams, req, r_admission, t_admission, go & is_admission)

@@ -20,6 +20,8 @@ import numpy as np
 from blis_jax import executables
 from blis_jax.cluster import admission as adm
 from blis_jax.cluster import deployments as deploy
+from blis_jax.cluster import lifecycle as lc
+from blis_jax.cluster import node_pools as infra
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import loop
@@ -30,7 +32,7 @@ from blis_jax.engine import results
 from blis_jax.engine.dims import bucket, choose_dims
 from blis_jax.engine.growth import Growth, run_growing
 from blis_jax.engine.itl_log import ItlLogReader
-from blis_jax.engine.params import EngineParams
+from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.simulate import request_arrays, to_output
 from blis_jax.errors import ConfigError
 from blis_jax.rng.go_jax import go_stream
@@ -75,6 +77,10 @@ class ClusterConfig:
     # the model every instance serves (BLIS: --model lower-cased): a request tagged with another
     # model is rejected at routing (blis-infra §5); None = every instance serves every request
     served_model: str | None = None
+    # node pools and the startup instances' lifecycle (policy bundle keys node_pools,
+    # instance_lifecycle; blis-infra §2-§3): () = no pools, every instance Active at t = 0
+    node_pools: tuple[infra.NodePool, ...] = ()
+    instance_lifecycle: infra.InstanceLifecycle = infra.InstanceLifecycle()
 
     def validate(self) -> ClusterConfig:
         n = self.num_instances
@@ -111,6 +117,13 @@ class ClusterConfig:
         elif self.prefill_routing_scorers or self.decode_routing_scorers or self.pd_decider != "never":
             raise ConfigError("--pd-decider / --prefill-routing-scorers / --decode-routing-scorers need PD pools: "
                               "set --prefill-instances and --decode-instances")
+        infra.check_pools(self.node_pools)
+        if not isinstance(self.instance_lifecycle, infra.InstanceLifecycle):
+            raise ConfigError("instance_lifecycle: expected an InstanceLifecycle")
+        self.instance_lifecycle.check()
+        if self.node_pools and self.pd:
+            raise ConfigError("node_pools with prefill/decode pools are not supported yet; drop node_pools from the "
+                              "policy bundle or --prefill-instances/--decode-instances")
         return self
 
     @property
@@ -185,13 +198,15 @@ def simulate_cluster_views(
     decode_pool: deploy.PoolDeployment | None = None,
     progress: Callable[[int, int, int], None] | None = None,
     batch_start: int | None = None,
+    startup: infra.StartupInstances | None = None,
 ) -> tuple[so.SimOutput, InstanceViews | None]:
     """`simulate_cluster`, plus the per-instance views when there are PD pools.
     `kv_bytes_per_token` (per GPU of the prefill pool) sizes KV transfers; a `prefill_pool` /
     `decode_pool` deployment runs that pool on its own hardware and TP (the prefill pool's
     then sizes the transfers); `progress(done, total, sim_us)` is called between chunks;
     `batch_start`: running-batch slots to start with (`dims.choose_dims`; a full batch reruns
-    the cluster wider, same outputs)."""
+    the cluster wider, same outputs); `startup`: the startup instances placed on node pools
+    (which exist, their KV blocks, when each becomes routable), None without node pools."""
     cluster = cluster.validate()
     if (prefill_pool or decode_pool) and not cluster.pd:
         raise ConfigError("--prefill-hardware/--prefill-tp/--decode-hardware/--decode-tp configure PD pools: "
@@ -208,6 +223,10 @@ def simulate_cluster_views(
                                  if cluster.pd else (slot_ids < 0, slot_ids >= 0))
     deployed = deploy.stack_deployments(model, params, cluster.slots, prefill_role, decode_role,
                                         prefill=prefill_pool, decode=decode_pool)
+    exists, lifecycle0 = slot_ids < cluster.num_instances, None
+    if startup is not None:
+        deployed, exists, lifecycle0 = _place(deployed, startup, cluster)
+        kv_blocks = max(kv_blocks, int(np.max(np.asarray(deployed.total_kv_blocks))))
     gateway, bands, tenants = (gw.make_params(cluster.flow_control, requests, cluster.queue_depth_threshold,
                                               cluster.kv_cache_util_threshold)
                                if cluster.flow_control is not None else (None, 1, 1))
@@ -235,7 +254,7 @@ def simulate_cluster_views(
             gateway_slots=gateway_slots, gateway_bands=bands, gateway_tenants=tenants,
         )
         cparams = loop.ClusterParams(
-            active=slot_ids < cluster.num_instances,
+            active=exists,
             admission_latency_us=jnp.asarray(cluster.admission_latency_us, jnp.int64),
             routing_latency_us=jnp.asarray(cluster.routing_latency_us, jnp.int64),
             prefill_role=prefill_role, decode_role=decode_role,
@@ -250,7 +269,7 @@ def simulate_cluster_views(
                         for name in (ROUTER, PREFILL_ROUTER, DECODE_ROUTER))
         cs = _init(cd, params, cparams, req, deployed.model, cluster.admission(),
                    routings, streams, cluster.snapshot_refresh_interval_us,
-                   cluster.cache_signal_delay_us)
+                   cluster.cache_signal_delay_us, lifecycle0)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         inputs = jax.device_put((params, cparams, req, deployed.model))
         limit = 0
@@ -269,7 +288,39 @@ def simulate_cluster_views(
         return (cs, edims, code, readers), code
 
     cs, edims, code, readers = run_growing(attempt)
-    return merge_outputs(cs, edims, params, requests, code, readers, cluster.num_instances, cluster.pd)
+    # the instances that exist (a pending startup instance is absent from every output, as in
+    # BLIS); first-fit with one TP for all makes the placed ones a prefix of the indices
+    built = cluster.num_instances if startup is None else startup.num_placed
+    return merge_outputs(cs, edims, params, requests, code, readers, built, cluster.pd)
+
+
+def _place(deployed: deploy.InstanceDeployments, startup: infra.StartupInstances, cluster: ClusterConfig):
+    """(deployments with each placed instance's own KV blocks and max-model-len, the slots
+    that hold an instance, the initial lifecycle: Active, or Loading until its delay is over)."""
+    n, slots = cluster.num_instances, cluster.slots
+    if len(startup.placements) != n:
+        raise ConfigError(f"startup instances: {len(startup.placements)} placements for {n} instances")
+    placed = np.zeros(slots, bool)
+    placed[:n] = startup.placed
+    if not np.array_equal(placed[:n], np.arange(n) < startup.num_placed):
+        raise ConfigError("startup instances: the placed instances must be the first ones (first-fit placement)")
+    if startup.num_placed == 0:
+        raise ConfigError("node_pools: no instance could be placed (no Ready node has enough free GPUs); every "
+                          "request would be rejected at routing. Add nodes (initial_nodes) or lower --tp")
+    blocks = np.asarray(deployed.total_kv_blocks).copy()
+    mml = np.asarray(deployed.max_model_len).copy()
+    blocks[:n] = np.where(startup.placed, startup.total_kv_blocks, blocks[:n])
+    mml[:n] = np.where(startup.placed, startup.max_model_len, mml[:n])
+    loaded_at = np.full(slots, INF_TIME, np.int64)
+    loaded_at[:n] = startup.loaded_at_us
+    state = np.where(placed, np.where(loaded_at > 0, lc.LOADING, lc.ACTIVE), lc.ABSENT)
+    loaded_at = np.where(state == lc.LOADING, loaded_at, INF_TIME)
+    gpus = np.zeros(slots, np.int32)
+    gpus[:n] = startup.gpus_held
+    lifecycle0 = lc.make(state, loaded_at, gpus, startup.gpu_owner)
+    deployed = dataclasses.replace(deployed, total_kv_blocks=jnp.asarray(blocks, jnp.int64),
+                                   max_model_len=jnp.asarray(mml, jnp.int64))
+    return deployed, jnp.asarray(placed), lifecycle0
 
 
 def model_ids(requests: RequestSet, cluster: ClusterConfig, padded_to: int) -> dict:

@@ -19,6 +19,7 @@ ROUTER = "router"
 PREFILL_ROUTER = "prefill-router"
 DECODE_ROUTER = "decode-router"
 KV_OFFLOAD = "kv-offload"
+INSTANCE_LOADING = "instance-loading"  # loading delays of instances placed on node pools (blis-infra §1.3)
 
 
 def to_int64(x: int) -> int:

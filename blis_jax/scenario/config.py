@@ -267,6 +267,9 @@ class ScenarioConfig:
     cluster: ClusterConfig = ClusterConfig()
     horizon_us: int | None = None
     seed: int | None = None
+    # BLIS's policy bundle: a YAML path or a `blis_jax.config.policy_bundle.PolicyBundle`;
+    # applied at resolve with BLIS's precedence (scenario/policy.py). None: no bundle.
+    policy_config: str | Path | Any = None
 
     def __post_init__(self) -> None:
         for path, value, kind in (("deployment", self.deployment, Deployment),
@@ -277,6 +280,13 @@ class ScenarioConfig:
         if not isinstance(self.workload, (SyntheticWorkload, SpecWorkload, TraceWorkload)):
             raise ConfigError(f"{name('workload')}: expected a SyntheticWorkload, SpecWorkload or TraceWorkload, "
                               f"got {type(self.workload).__name__}")
+        if self.policy_config is not None:
+            from blis_jax.config.policy_bundle import PolicyBundle
+
+            given = self.policy_config
+            if not isinstance(given, (str, Path, PolicyBundle)) or (not isinstance(given, PolicyBundle)
+                                                                    and not str(given).strip()):
+                raise ConfigError(f"{name('policy_config')}: give a policy-config YAML path or a PolicyBundle")
         if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ConfigError(f"{name('seed')} {self.seed}: must fit in a signed 64-bit integer")
         if self.horizon_us is not None and (not _is_int(self.horizon_us) or self.horizon_us <= 0):

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable, Mapping
 
 from blis_jax import limits
+from blis_jax.cluster import node_pools as infra
 from blis_jax.cluster.deployments import PoolDeployment
 from blis_jax.cluster.simulate import ClusterConfig, unservable_models
 from blis_jax.config import auto_kv_blocks, auto_max_model_len, load_coefficients, load_gpu, load_model
@@ -76,6 +77,7 @@ class ResolvedScenario:
     sessions: object | None = None          # SessionLinks of closed-loop sessions, else None
     header: TraceHeader = TraceHeader()
     goodput_targets: Mapping | None = None
+    startup: infra.StartupInstances | None = None  # node pools: the placed startup instances
 
     @property
     def single_instance(self) -> bool:
@@ -84,7 +86,7 @@ class ResolvedScenario:
         model (else the cluster loop rejects the others at routing, as BLIS does)."""
         c = self.cluster
         return (c.num_instances == 1 and c.admission_policy == "always-admit" and c.flow_control is None
-                and c.admission_latency_us == 0 and c.routing_latency_us == 0
+                and c.admission_latency_us == 0 and c.routing_latency_us == 0 and not c.node_pools
                 and not (self.requests is not None and unservable_models(self.requests, c.served_model)))
 
     @property
@@ -131,7 +133,10 @@ def resolve(config: ScenarioConfig, *, warn: Warn | None = None) -> ResolvedScen
 
 def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: Warn | None = None) -> ResolvedScenario:
     """The scenario without its requests (`requests` None): the deployment, engine and cluster."""
+    from blis_jax.scenario.policy import apply_policy_bundle
+
     warn = warn or _python_warning
+    config = apply_policy_bundle(config, warn)
     d, e = config.deployment, config.engine
     cluster = dataclasses.replace(config.cluster, seed=config.effective_seed).validate()
     if cluster.served_model is None:  # BLIS: every instance serves --model lower-cased (blis-infra §5.1)
@@ -145,13 +150,16 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
     max_model_len = _max_model_len("deployment.max_model_len", d.max_model_len, arch, blocks, d.block_size)
     pools = {pool: _pool_deployment(d, pool, cluster, arch, kind, alpha, beta, gpu, tp, warn)
              for pool in ("prefill", "decode")}
+    startup = (_startup_instances(d, cluster, arch, gpu, tp, blocks, max_model_len, warn)
+               if cluster.node_pools else None)
     return ResolvedScenario(
         config=config, latency_model=latency_model, model_id=arch.hf_id, hardware=gpu.name, tp=tp,
         latency_kind=kind, total_kv_blocks=blocks, max_model_len=max_model_len, block_size=d.block_size,
         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
         long_prefill_token_threshold=e.long_prefill_token_threshold, scheduler=e.scheduler,
         preemption_policy=e.preemption_policy, horizon_us=horizon_us, cluster=cluster,
-        kv_bytes_per_token=kv_bytes_per_token(arch, tp), prefill_pool=pools["prefill"], decode_pool=pools["decode"])
+        kv_bytes_per_token=kv_bytes_per_token(arch, tp), prefill_pool=pools["prefill"], decode_pool=pools["decode"],
+        startup=startup)
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -331,3 +339,33 @@ def _pool_deployment(d: Deployment, pool: str, cluster: ClusterConfig, arch, kin
     max_model_len = _max_model_len(path, mml or d.max_model_len, arch, blocks, d.block_size)
     return PoolDeployment(latency_model=model, total_kv_blocks=blocks, max_model_len=max_model_len,
                           hardware=gpu.name, tp=tp, kv_bytes_per_token=kv_bytes_per_token(arch, tp))
+
+
+def _startup_instances(d: Deployment, cluster: ClusterConfig, arch, gpu, tp: int, blocks: int, max_model_len: int,
+                       warn: Warn) -> infra.StartupInstances:
+    """The startup instances on node pools (blis-infra §2.3 B, §3.3-§3.4): first-fit placement;
+    each placed instance's KV blocks recomputed from its GPU type's memory (the first pool of
+    that type) unless the blocks are explicit, max-model-len capped at its KV capacity; then
+    the loading delays, in index order. Step times keep the deployment's GPU calibration."""
+    placements, owner = infra.place_instances(cluster.node_pools, cluster.num_instances, tp)
+    kv, mml = [], []
+    for p in placements:
+        b, m = blocks, max_model_len
+        if p is not None and d.total_kv_blocks is None:
+            try:
+                b = auto_kv_blocks(arch, dataclasses.replace(gpu, memory_gib=p.gpu_memory_gib), tp,
+                                   gpu_memory_utilization=d.gpu_memory_utilization, block_size=d.block_size)
+            except ConfigError as e:  # BLIS: a warning, and the global block count is kept
+                warn(f"{p.instance_id} on {p.gpu_type} ({p.gpu_memory_gib:g} GiB): KV blocks could not be recomputed "
+                     f"({e}); keeping {blocks}")
+                b = blocks
+            if m > 0 and b * d.block_size < m:
+                m = b * d.block_size
+        kv.append(b)
+        mml.append(m)
+    pending = [f"instance_{i}" for i, p in enumerate(placements) if p is None]
+    if pending:  # BLIS says nothing; an absent instance deserves a line
+        warn(f"{', '.join(pending)}: no Ready node has {max(tp, 1)} free GPUs; not started (absent from the outputs)")
+    return infra.StartupInstances(
+        placements=placements, total_kv_blocks=tuple(kv), max_model_len=tuple(mml),
+        loaded_at_us=infra.loading_delays(placements, cluster.instance_lifecycle, cluster.seed), gpu_owner=owner)

@@ -126,6 +126,7 @@ def _table() -> tuple[Setting, ...]:
         _s("routing-scorers", "cluster.routing_scorers", str),
         _s("snapshot-refresh-interval", "cluster.snapshot_refresh_interval_us", int),
         _s("cache-signal-delay", "cluster.cache_signal_delay_us", int),
+        _s("policy-config", "policy_config", str),
         # cluster: flow control
         _s("flow-control", "cluster.flow_control", bool),
         _s("saturation-detector", "cluster.flow_control.saturation_detector", str, saturation),
@@ -289,7 +290,8 @@ def _config(values: Mapping[str, Any], where: str) -> ScenarioConfig:
         flow = None
     return ScenarioConfig(deployment=Deployment(**sections["deployment"]), engine=EngineSettings(**sections["engine"]),
                           workload=_workload(sections), cluster=ClusterConfig(**sections["cluster"], flow_control=flow),
-                          horizon_us=sections[""].get("horizon_us"), seed=sections[""].get("seed"))
+                          horizon_us=sections[""].get("horizon_us"), seed=sections[""].get("seed"),
+                          policy_config=sections[""].get("policy_config"))
 
 
 def _workload(sections: Mapping[str, dict[str, Any]]):

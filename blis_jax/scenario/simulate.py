@@ -15,7 +15,7 @@ from pathlib import Path
 from blis_jax.errors import ConfigError, SimulationFailed
 from blis_jax.scenario.config import ScenarioConfig
 from blis_jax.naming import name
-from blis_jax.scenario.resolve import ResolvedScenario, Warn, resolve
+from blis_jax.scenario.resolve import ResolvedScenario, Warn, _python_warning, resolve
 
 Progress = Callable[[int, int, int], None]   # (finished requests, total requests, simulated µs)
 
@@ -123,8 +123,25 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
         out, views = simulate_cluster_views(requests, params, model, resolved.cluster,
                                             kv_bytes_per_token=resolved.kv_bytes_per_token,
                                             prefill_pool=resolved.prefill_pool, decode_pool=resolved.decode_pool,
-                                            **settings)
+                                            startup=resolved.startup, **settings)
     if out.result != result_codes.OK:
         raise SimulationFailed(f"the engine stopped early ({result_codes.fix(out.result)}); its outputs would be "
                                "incomplete, so none are given")
+    _warn_routing_rejections(out, requests, warn)
     return SimulationResult(scenario=resolved, requests=requests, output=out, views=views)
+
+
+def _warn_routing_rejections(out, requests, warn: Warn | None) -> None:
+    """BLIS warns once per request rejected at routing (no routable instance); one line here,
+    with the count and the first and last request ids."""
+    import numpy as np
+
+    from blis_jax.engine.status import ROUTING_REJECTED
+
+    rows = np.flatnonzero(out.status == ROUTING_REJECTED)
+    if len(rows) == 0:
+        return
+    ids = [f"request_{int(requests.request_id[r])}" for r in rows]
+    shown = ", ".join(ids) if len(ids) <= 4 else f"{', '.join(ids[:3])}, ..., {ids[-1]}"
+    (warn or _python_warning)(f"{len(ids)} request(s) rejected at routing: no routable instance served their model "
+                              f"when they arrived (instances Loading or Draining, or another model): {shown}")
