@@ -43,7 +43,10 @@ PERCENTILES = (90, 95, 99)  # BLIS reports mean, p90, p95, p99 (no p50)
 _RECORDED = (QUEUED, RUNNING, TIMED_OUT)
 
 
-def instance_name(k: int) -> str:
+def instance_name(k: int, out: SimOutput | None = None) -> str:
+    """Instance k's ID: `out.instance_names[k]` when the run named its instances, else instance_<k>."""
+    if out is not None and out.instance_names is not None:
+        return out.instance_names[k]
     return f"instance_{k}"
 
 
@@ -150,7 +153,7 @@ def _record(out: SimOutput, requests: RequestSet, i: int, itl_us: float, done: b
     _put_label(rec, "slo_class", requests.slo_class[i])
     _put_label(rec, "tenant_id", requests.tenant_id[i])
     if out.handled_by[i] >= 0:
-        rec["handled_by"] = instance_name(int(out.handled_by[i]))
+        rec["handled_by"] = instance_name(int(out.handled_by[i]), out)
     _put_label(rec, "model", requests.model[i])
     if out.status[i] == LENGTH_CAPPED:
         rec["length_capped"] = True
@@ -213,7 +216,7 @@ def metrics_output(out: SimOutput, requests: RequestSet, instance: int | None = 
     sim_end = int(out.sim_end_us[inst].max()) if out.num_instances else 0
     duration_s = float(sim_end) / 1e6
     m: dict = {
-        "instance_id": CLUSTER if instance is None else instance_name(instance),
+        "instance_id": CLUSTER if instance is None else instance_name(instance, out),
         "completed_requests": completed,
         "still_queued": queued,
         "still_running": running,

@@ -131,17 +131,7 @@ def load_case(case_id: str) -> BlisDiffCase:
 # Reference features blis-jax does not simulate yet, by the case.json `other_flags` key that
 # switches them on, and the open issue that builds them. Tests that iterate over reference cases
 # mark such a case `xfail(strict=True)` with this reason, so it turns red once the feature lands.
-def _policy_config_needs(case: dict) -> str | None:
-    """A policy bundle runs (admission/routing keys, node pools, the instance lifecycle) unless it
-    configures the autoscaler."""
-    folder = CASES_DIR / case["id"]
-    bundle = yaml.safe_load((folder / case["config_files"]["policy_config"]).read_text()) or {}
-    return "the autoscaler (issue #23)" if (bundle.get("autoscaler") or {}).get("interval_us") else None
-
-
 NOT_YET_SUPPORTED = {
-    "policy_config": _policy_config_needs,  # a value may be a predicate on case.json: its reason or None
-    "model_autoscaler_interval_us": "the autoscaler (issue #23)",
     "kv_cpu_blocks": "the legacy CPU KV tier (issue #24)",
     "kv_offload_config": "multi-tier KV offload (issue #24)",
     "prefill_decode_instances": "shared prefill-decode pools (issue #24)",

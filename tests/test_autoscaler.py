@@ -181,10 +181,3 @@ def test_we20_analyzer_validation(config, field):
 
 def test_defaults_fill_zeros():
     assert asc.AnalyzerConfig().effective() == asc.AnalyzerConfig(0.8, 0.8, 0.4, 512.0)
-
-
-@pytest.mark.parametrize("mean, sd, normal, expected", [
-    (0.4, 0.0, None, 400_000), (0.4, 0.15, 1.0, 550_000), (0.4, 0.15, -10.0, 0),
-    (1.0, 0.3, 0.123456789, int((0.123456789 * 0.3 + 1.0) * 1e6))])
-def test_delay_sampling_rule(mean, sd, normal, expected):
-    assert asc.delay_us(mean, sd, normal) == expected

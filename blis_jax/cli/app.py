@@ -135,9 +135,13 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="router's instance-signal staleness: re-read at most every US µs (default 50000; 0 = live)")
     g.add_argument("--cache-signal-delay", type=int, default=50_000, metavar="US",
                    help="router's prefix-cache view is re-taken every US µs (default 50000; 0 = live)")
+    g.add_argument("--model-autoscaler-interval-us", type=float, default=None, metavar="US",
+                   help="autoscaler tick interval, µs: overrides the policy bundle's whenever given (0 = off); "
+                        "alone it enables the autoscaler with default settings (without node pools it can only "
+                        "scale down)")
     g.add_argument("--policy-config", default=None, metavar="FILE",
                    help="BLIS policy bundle YAML: admission/routing/scheduler/preemption defaults (flags win), "
-                        "node_pools and instance_lifecycle (strict keys)")
+                        "node_pools, instance_lifecycle and autoscaler (strict keys)")
 
     g = p.add_argument_group("cluster: flow control (gateway queue between admission and routing)")
     g.add_argument("--flow-control", action="store_true",
@@ -440,6 +444,13 @@ class Diagnostics:
             self.stream.write(f"{PROG}: warning: {_one_line(message)}\n")
             self.stream.flush()
 
+    def log(self, level: str, message: str) -> None:
+        """An info, warning or error line, shown from that --log level on."""
+        shown = {"info": ("trace", "debug", "info"), "warning": ("trace", "debug", "info", "warn", "warning")}
+        if level == "error" or self.level in shown.get(level, ()):
+            self.stream.write(f"{PROG}: {level}: {_one_line(message)}\n")
+            self.stream.flush()
+
 
 class ProgressReporter:
     """Engine progress callback: `done/total requests, simulated s, wall s` on stderr.
@@ -502,10 +513,14 @@ def simulate_command(resolved: ResolvedScenario, args, stderr: TextIO, diag: Dia
         extra["warn"] = diag.warn
     try:
         with naming(FLAG_OF_FIELD):
-            return simulate(resolved, **extra)
+            result = simulate(resolved, **extra)
     finally:
         if reporter is not None:
             reporter.close()
+    if diag is not None:   # what the autoscaler did (BLIS logs it and reports it nowhere else)
+        for when, level, message in result.output.cluster_log:
+            diag.log(level, f"{message} (at {when / 1e6:.6f} s)")
+    return result
 
 
 def write_outputs(args, result: SimulationResult, stdout: TextIO) -> None:

@@ -111,7 +111,7 @@ def cluster(args: argparse.Namespace) -> ClusterConfig:
         **{field: getattr(args, field) for field in _CLUSTER_FIELDS},
         snapshot_refresh_interval_us=args.snapshot_refresh_interval, cache_signal_delay_us=args.cache_signal_delay,
         admission_latency_us=args.admission_latency, routing_latency_us=args.routing_latency,
-        flow_control=_flow_control(args))
+        flow_control=_flow_control(args), model_autoscaler_interval_us=args.model_autoscaler_interval_us)
 
 
 def _flow_control(args: argparse.Namespace) -> FlowControlConfig | None:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float64, Int32, Int64
 
+from blis_jax.cluster.node_pools import Delay
 from blis_jax.errors import ConfigError
 
 # analyzer defaults, used for every parameter given as 0 (blis-infra §4.1)
@@ -58,6 +59,31 @@ class AnalyzerConfig:
             raise ConfigError(f"{key}: scale_down_boundary ({eff.scale_down_boundary}) must be below "
                               f"scale_up_threshold ({eff.scale_up_threshold}) (defaults 0.4 and 0.8 fill zeros)")
         return eff
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoscalerConfig:
+    """The autoscaler (bundle section `autoscaler`, blis-infra §4.1): a tick every `interval_us`
+    (0 = off), the stabilization windows, the HPA scrape delay between a tick and its
+    actuation, and the analyzer's thresholds."""
+
+    interval_us: float = 0.0
+    scale_up_stabilization_window_us: float = 0.0
+    scale_down_stabilization_window_us: float = 0.0
+    hpa_scrape_delay: Delay = Delay()
+    analyzer: AnalyzerConfig = AnalyzerConfig()
+
+    def validate(self, where: str = "autoscaler") -> AutoscalerConfig:
+        for key in ("interval_us", "scale_up_stabilization_window_us", "scale_down_stabilization_window_us"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+                raise ConfigError(f"{where}.{key} must be a finite number >= 0, got {value!r}")
+        if 0 < self.interval_us < 1:
+            # BLIS truncates it to 0 and re-ticks at the same time forever (blis-infra §4.10 hazard 5)
+            raise ConfigError(f"{where}.interval_us must be 0 (off) or >= 1 µs, got {self.interval_us!r}")
+        self.hpa_scrape_delay.check(f"{where}.hpa_scrape_delay")
+        self.analyzer.effective()
+        return self
 
 
 class AnalyzerParams(eqx.Module):
@@ -221,12 +247,3 @@ def stabilize(st: Stabilizer, dec: Decisions, now, up_window_us, down_window_us)
     down_pass, down_since = filter_direction(down, down_since, down_window_us)
     passed = Decisions(delta=jnp.where(up_pass | down_pass, dec.delta, 0).astype(jnp.int32), variant=dec.variant)
     return Stabilizer(up_since=up_since, down_since=down_since), passed
-
-
-def delay_us(mean_s: float, stddev_s: float, normal: float | None) -> int:
-    """A sampled delay (blis-infra §1.3) from one standard normal draw (None when stddev ≤ 0:
-    no draw is made)."""
-    secs = mean_s if stddev_s <= 0 else normal * stddev_s + mean_s
-    if not np.isfinite(secs):
-        return 0
-    return int(max(secs, 0.0) * 1e6)

@@ -34,7 +34,9 @@ from jaxtyping import Array, Bool, Float64, Int32, Int64
 
 from blis_jax import latency
 from blis_jax.cluster import admission as adm
+from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import deployments, lifecycle, routing, signals
+from blis_jax.cluster import scaling
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import scorers as sc
@@ -67,6 +69,12 @@ class ClusterDims:
     gateway_slots: int = 0  # flow control: gateway queue slots (0 = no flow control)
     gateway_bands: int = 1  # priority bands (distinct priorities of the workload)
     gateway_tenants: int = 1
+    # the autoscaler (scaling.py): on, its models, pending actuations, log lines, node pools
+    scaling: bool = False
+    scaling_models: int = 1
+    scaling_pending: int = 4
+    scaling_log: int = 64
+    scaling_pools: bool = False
 
     @property
     def flow_control(self) -> bool:
@@ -89,7 +97,10 @@ class ClusterDims:
         """Routing reads only router-owned state and the stale snapshots, so every arrival
         before the next snapshot or cache refresh can be routed before the instances have run
         up to it (the decisions are the same: nothing they read changes in between)."""
-        return not (self.pd or self.admission_reads_state or self.flow_control or self.routing_reads_in_flight)
+        # The autoscaler reads the snapshot too, and a routing build refreshes it at its own time:
+        # routing ahead would stamp future refreshes with present values.
+        return not (self.pd or self.admission_reads_state or self.flow_control or self.routing_reads_in_flight
+                    or self.scaling)
 
 
 def routing_dims(policy: routing.AbstractRouting, prefill: routing.AbstractRouting | None = None,
@@ -118,6 +129,7 @@ class ClusterParams(eqx.Module):
     # serves it); a request whose model no instance serves has an id no instance has
     instance_model: Int32[Array, " I"]
     request_model: Int32[Array, " N"]
+    scaling: scaling.ScalingParams | None = None  # the autoscaler (None without)
 
 
 def eligible(cparams: ClusterParams, routable: Bool[Array, " I"], r) -> Bool[Array, " I"]:
@@ -149,6 +161,7 @@ class ClusterState(eqx.Module):
     rejected: Bool[Array, " N"]  # refused by admission
     routing_rejected: Bool[Array, " N"]  # no routable instance
     lifecycle: lifecycle.Lifecycle  # per-slot instance states: the routable mask (lifecycle.py)
+    scaling: scaling.ScalingState | None  # the autoscaler's ticks, actuations and log (None without)
     result: Int32[Array, ""]
 
 
@@ -219,8 +232,8 @@ def _route_request(cs: ClusterState, cd: ClusterDims, req: RequestArrays, r) -> 
 
 def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req: RequestArrays, model,
                  admission: adm.AbstractAdmission, routings, streams: tuple[GoStream, GoStream, GoStream],
-                 snapshot_interval_us, cache_signal_delay_us, lifecycle_state: lifecycle.Lifecycle | None = None
-                 ) -> ClusterState:
+                 snapshot_interval_us, cache_signal_delay_us, lifecycle_state: lifecycle.Lifecycle | None = None,
+                 scaling_state: scaling.ScalingState | None = None) -> ClusterState:
     """`routings` = (the cluster's routing policy, the prefill pool's own, the decode pool's
     own); a pool's is None without scorers of its own. `lifecycle_state`: the instances'
     initial states (node pools, loading delays); None: every existing slot Active."""
@@ -254,6 +267,7 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
             state=jnp.where(cparams.active, lifecycle.ACTIVE, lifecycle.ABSENT).astype(jnp.int32),
             loaded_at=jnp.full(i, INF_TIME, jnp.int64), gpus=jnp.zeros(i, jnp.int32),
             gpu_owner=jnp.full(1, -1, jnp.int32)),
+        scaling=scaling_state,
         result=jnp.asarray(0, jnp.int32),
     )
 
@@ -318,7 +332,38 @@ def next_cluster_time(cs: ClusterState, cparams, params, req):
     t = _routing_or_transfer_time(cs, cparams, params, req)
     if cs.gateway is not None:
         t = jnp.minimum(t, _gateway_time(gateway_events(cs, cparams, params, req)))
+    if cs.scaling is not None:
+        t = jnp.minimum(t, jnp.minimum(*_scaling_times(cs, params)))
     return t
+
+
+def _scaling_times(cs: ClusterState, params):
+    """(next ScalingTick, next ScaleActuation); INF_TIME past the horizon or when none."""
+    _, t_act = scaling.next_actuation(cs.scaling)
+    before = lambda t: jnp.where(t <= params.horizon_us, t, INF_TIME)  # noqa: E731
+    return before(cs.scaling.next_tick), before(t_act)
+
+
+def _scaling_tick(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, req, now, on):
+    """ScalingTick: the collect reads (and refreshes) the routable instances' snapshot."""
+    snapshot, _ = _cluster_router_state(cs, cd, cparams, now)
+    life = cs.lifecycle
+    replicas = asc.Replicas(
+        routable=lifecycle.routable(life), loading=life.state == lifecycle.LOADING, model=cparams.instance_model,
+        variant=cs.scaling.slot_variant, capacity_tokens=snapshot.signals.kv_tokens_capacity,
+        used_tokens=snapshot.signals.kv_tokens_in_use, queue_depth=snapshot.signals.queue_depth,
+        pending_tokens=cparams.total_kv_blocks * cd.engine.block_size)
+    arrivals = cs.next_admission if (cd.admission_reads_state or cd.flow_control) else cs.next_request
+    more_to_come = (arrivals < jnp.sum(req.valid)) | (jnp.sum(_in_flight(cs)) > 0)
+    ss = scaling.tick(cs.scaling, cparams.scaling, replicas, cd.scaling_models, now, more_to_come, on)
+    return dataclasses.replace(cs, scaling=ss, snapshot=jax.tree.map(lambda a, b: jnp.where(on, a, b), snapshot,
+                                                                      cs.snapshot))
+
+
+def _scale_actuation(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, now, on):
+    ss, life = scaling.actuate(cs.scaling, cparams.scaling, cs.lifecycle, cparams.instance_model,
+                               cs.instances.events, cd.scaling_models, cd.scaling_pools, now, on)
+    return dataclasses.replace(cs, scaling=ss, lifecycle=life)
 
 
 def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, r, t_admit,
@@ -559,6 +604,11 @@ def _refresh_due(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams):
     re-read (INF_TIME for a policy that reads none: round-robin), or an instance becoming
     routable (an InstanceLoaded event)."""
     loaded = lifecycle.next_loaded(cs.lifecycle)
+    if cs.scaling is not None:
+        _, t_act = scaling.next_actuation(cs.scaling)
+        loaded = jnp.minimum(loaded, t_act)
+        if cd.routing_reads_signals:
+            loaded = jnp.minimum(loaded, cs.scaling.next_tick)
     if not cd.routing_reads_signals:
         return loaded
     snap = cs.snapshot
@@ -587,7 +637,8 @@ def _route_ahead(cs: ClusterState, cd: ClusterDims, params, cparams: ClusterPara
 
 def overflowed(cs: ClusterState):
     full = cs.gateway.full if cs.gateway is not None else False
-    return jnp.any((cs.instances.result & results.GROWABLE) != 0) | (cs.result != 0) | full
+    return (jnp.any((cs.instances.result & results.GROWABLE) != 0) | (cs.result != 0) | full
+            | scaling.overflowed(cs.scaling))
 
 
 def finished(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays, out_len=None):
@@ -626,6 +677,9 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         t_loaded = lifecycle.next_loaded(c.lifecycle)
         t_loaded = jnp.where(t_loaded <= params.horizon_us, t_loaded, INF_TIME)
         t_cluster = jnp.minimum(t_cluster, t_loaded)
+        if cd.scaling:
+            t_scaling_tick, t_act = _scaling_times(c, params)
+            t_cluster = jnp.minimum(t_cluster, jnp.minimum(t_scaling_tick, t_act))
         if cd.admission_reads_state:
             r_admission, t_admission = next_admission(c, cparams, params, req)
             t_cluster = jnp.minimum(t_cluster, t_admission)
@@ -645,8 +699,11 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.pd:
             c = _start_transfers(c, cd, params, cparams, req, t_prefill, caught & prefill_tick)
         go = caught & ~prefill_tick & (t_cluster < INF_TIME)
+        if cd.scaling:  # a drained instance whose queue and batch emptied is terminated
+            c = dataclasses.replace(c, lifecycle=scaling.terminate_drained(
+                c.scaling, c.lifecycle, c.instances.wait_len, c.instances.batch_len, c.instances.events, caught))
         # same-tick order (BLIS's event priorities): instance loaded -1, admission 1, routing 2,
-        # TTL expiry and transfer completion 6, dispatch tick 7
+        # TTL expiry and transfer completion 6, dispatch tick 7, scaling tick 8, actuation 9
         is_loaded = t_loaded <= t_cluster
         c = dataclasses.replace(c, lifecycle=lifecycle.load(c.lifecycle, t_loaded, go & is_loaded))
         go = go & ~is_loaded
@@ -674,7 +731,14 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
             c = _transfer_done(c, cd, go & is_done)
             go = go & ~is_done
         if cd.flow_control:
-            c = _gateway_tick_event(c, cd, cparams, t_tick, go & (t_tick <= t_cluster))
+            is_dispatch = t_tick <= t_cluster
+            c = _gateway_tick_event(c, cd, cparams, t_tick, go & is_dispatch)
+            go = go & ~is_dispatch
+        if cd.scaling:
+            is_scaling_tick = t_scaling_tick <= t_cluster
+            c = _scaling_tick(c, cd, cparams, req, t_scaling_tick, go & is_scaling_tick)
+            go = go & ~is_scaling_tick
+            c = _scale_actuation(c, cd, cparams, t_act, go & (t_act <= t_cluster))
         return c
 
     return masked_while(cond, body, cs, (params, lparams, cparams, req, out_len, model, event_limit))

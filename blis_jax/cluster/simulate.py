@@ -19,12 +19,13 @@ import numpy as np
 
 from blis_jax import executables
 from blis_jax.cluster import admission as adm
+from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import deployments as deploy
 from blis_jax.cluster import lifecycle as lc
 from blis_jax.cluster import node_pools as infra
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
-from blis_jax.cluster import loop
+from blis_jax.cluster import loop, scaling
 from blis_jax.cluster import routing as routing_policies
 from blis_jax.cluster import scorers as sc
 from blis_jax.engine import output as so
@@ -81,6 +82,11 @@ class ClusterConfig:
     # instance_lifecycle; blis-infra §2-§3): () = no pools, every instance Active at t = 0
     node_pools: tuple[infra.NodePool, ...] = ()
     instance_lifecycle: infra.InstanceLifecycle = infra.InstanceLifecycle()
+    # the autoscaler (blis-infra §4): its settings (the bundle's `autoscaler` section), and
+    # BLIS's --model-autoscaler-interval-us, which overrides their interval whenever given (0 =
+    # off) and alone enables an autoscaler with default settings
+    autoscaler: asc.AutoscalerConfig | None = None
+    model_autoscaler_interval_us: float | None = None
 
     def validate(self) -> ClusterConfig:
         n = self.num_instances
@@ -103,6 +109,10 @@ class ClusterConfig:
                 raise ConfigError(f"--flow-control: the gateway queue is the admission policy; drop --admission-policy "
                                   f"{self.admission_policy} (or --flow-control)")
             self.flow_control.validate()
+        autoscaler = self.effective_autoscaler()
+        if autoscaler is not None and self.pd:
+            raise ConfigError("the autoscaler with PD pools is not simulated (BLIS's autoscaler creates instances "
+                              "without a PD role); drop the autoscaler or the PD pools")
         if self.pd:
             pd_rules.pool_masks(self.slots, prefill=self.prefill_instances, decode=self.decode_instances,
                                 num_instances=n)
@@ -125,6 +135,18 @@ class ClusterConfig:
             raise ConfigError("node_pools with prefill/decode pools are not supported yet; drop node_pools from the "
                               "policy bundle or --prefill-instances/--decode-instances")
         return self
+
+    def effective_autoscaler(self) -> asc.AutoscalerConfig | None:
+        """The autoscaler that runs (None: off), with the flag's interval precedence."""
+        config = self.autoscaler
+        flag = self.model_autoscaler_interval_us
+        if flag is not None:
+            config = (dataclasses.replace(config, interval_us=flag) if config is not None and config.interval_us > 0
+                      else asc.AutoscalerConfig(interval_us=flag))
+        if config is None:
+            return None
+        config.validate("--model-autoscaler-interval-us / autoscaler" if flag is not None else "autoscaler")
+        return config if config.interval_us > 0 else None
 
     @property
     def pd(self) -> bool:
@@ -183,12 +205,35 @@ def simulate_cluster(requests: RequestSet, params: EngineParams, model, cluster:
     return simulate_cluster_views(requests, params, model, cluster, **kwargs)[0]
 
 
-def simulate_cluster_views(
+NEW_SLOTS = 8  # instance slots planned for autoscaler-created instances (x4 per rerun when full)
+
+
+def simulate_cluster_views(requests: RequestSet, params: EngineParams, model, cluster: ClusterConfig, **kwargs
+                           ) -> tuple[so.SimOutput, InstanceViews | None]:
+    """`simulate_cluster`, plus the per-instance views when there are PD pools (keywords: see
+    `_simulate_cluster_views`). An autoscaler that places instances on node pools gets
+    instance slots for them; it reruns with 4x as many if it ran out."""
+    cluster = cluster.validate()
+    autoscaler = cluster.effective_autoscaler()
+    if autoscaler is None or not cluster.node_pools:
+        return _simulate_cluster_views(requests, params, model, cluster, autoscaler=autoscaler, **kwargs)
+    new_slots = NEW_SLOTS
+    while True:
+        sized = dataclasses.replace(cluster, instance_slots=cluster.num_instances + new_slots)
+        out, views = _simulate_cluster_views(requests, params, model, sized, autoscaler=autoscaler, **kwargs)
+        if not out.result & results.INSTANCE_SLOTS_FULL or new_slots >= 64 * NEW_SLOTS:
+            return out, views
+        new_slots *= 4
+
+
+def _simulate_cluster_views(
     requests: RequestSet,
     params: EngineParams,
     model,
     cluster: ClusterConfig,
     *,
+    autoscaler: asc.AutoscalerConfig | None = None,
+    hardware: str = "",
     block_size: int = 16,
     scheduler: str = "fcfs",
     preemption_policy: str = "fcfs",
@@ -227,6 +272,10 @@ def simulate_cluster_views(
     if startup is not None:
         deployed, exists, lifecycle0 = _place(deployed, startup, cluster)
         kv_blocks = max(kv_blocks, int(np.max(np.asarray(deployed.total_kv_blocks))))
+    scaling_setup = (_scaling_setup(autoscaler, cluster, startup, params, deployed, hardware)
+                     if autoscaler is not None else None)
+    if scaling_setup is not None:
+        deployed = scaling_setup.deployed
     gateway, bands, tenants = (gw.make_params(cluster.flow_control, requests, cluster.queue_depth_threshold,
                                               cluster.kv_cache_util_threshold)
                                if cluster.flow_control is not None else (None, 1, 1))
@@ -252,6 +301,7 @@ def simulate_cluster_views(
             transfers=bucket(64 * growth.transfers) if cluster.pd else 1,
             admission_reads_state=cluster.admission().reads_state,
             gateway_slots=gateway_slots, gateway_bands=bands, gateway_tenants=tenants,
+            **(scaling_setup.dims(growth) if scaling_setup is not None else {}),
         )
         cparams = loop.ClusterParams(
             active=exists,
@@ -263,13 +313,15 @@ def simulate_cluster_views(
             total_kv_blocks=deployed.total_kv_blocks, max_model_len=deployed.max_model_len,
             gateway=gw.padded(gateway, edims.num_requests) if gateway is not None else None,
             **model_ids(requests, cluster, edims.num_requests),
+            scaling=scaling_setup.params(growth, params) if scaling_setup is not None else None,
         )
         req = request_arrays(requests, edims)
         streams = tuple(go_stream(subsystem_seed(cluster.seed, name))   # blis-rng §2: seed XOR fnv1a64(name)
                         for name in (ROUTER, PREFILL_ROUTER, DECODE_ROUTER))
         cs = _init(cd, params, cparams, req, deployed.model, cluster.admission(),
                    routings, streams, cluster.snapshot_refresh_interval_us,
-                   cluster.cache_signal_delay_us, lifecycle0)
+                   cluster.cache_signal_delay_us, lifecycle0,
+                   scaling_setup.state(cd) if scaling_setup is not None else None)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         inputs = jax.device_put((params, cparams, req, deployed.model))
         limit = 0
@@ -282,7 +334,8 @@ def simulate_cluster_views(
                          int(np.max(np.asarray(cs.instances.now))))
             if bool(done):
                 break
-        code = int(np.bitwise_or.reduce(np.asarray(cs.instances.result))) | int(cs.result)
+        code = (int(np.bitwise_or.reduce(np.asarray(cs.instances.result))) | int(cs.result)
+                | scaling.result_bits(jax.device_get(cs.scaling)))
         if cs.gateway is not None and bool(cs.gateway.full):
             code |= results.GATEWAY_FULL
         return (cs, edims, code, readers), code
@@ -291,7 +344,14 @@ def simulate_cluster_views(
     # the instances that exist (a pending startup instance is absent from every output, as in
     # BLIS); first-fit with one TP for all makes the placed ones a prefix of the indices
     built = cluster.num_instances if startup is None else startup.num_placed
-    return merge_outputs(cs, edims, params, requests, code, readers, built, cluster.pd)
+    if scaling_setup is None:
+        return merge_outputs(cs, edims, params, requests, code, readers, built, cluster.pd)
+    built = int(cs.scaling.next_slot)   # the startup instances, then the autoscaler's, in creation order
+    out, views = merge_outputs(cs, edims, params, requests, code, readers, built, cluster.pd)
+    names = scaling.slot_names(cs.scaling, scaling_setup.model_names, np.zeros(built, np.int32))
+    log = scaling.scaling_log_lines(cs.scaling, model_names=scaling_setup.model_names, slot_names=names,
+                                    variants=scaling_setup.variants, node_names=scaling_setup.node_names)
+    return dataclasses.replace(out, instance_names=tuple(names), cluster_log=tuple(log)), views
 
 
 def _place(deployed: deploy.InstanceDeployments, startup: infra.StartupInstances, cluster: ClusterConfig):
@@ -321,6 +381,119 @@ def _place(deployed: deploy.InstanceDeployments, startup: infra.StartupInstances
     deployed = dataclasses.replace(deployed, total_kv_blocks=jnp.asarray(blocks, jnp.int64),
                                    max_model_len=jnp.asarray(mml, jnp.int64))
     return deployed, jnp.asarray(placed), lifecycle0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingSetup:
+    """What the autoscaler needs from the host: its replica variants, the GPU inventory, the
+    pre-drawn delays, and the deployments of the slots it may fill."""
+
+    config: asc.AutoscalerConfig
+    deployed: deploy.InstanceDeployments
+    variants: list  # (GPU type, TP, cost) per variant id
+    slot_variant: np.ndarray  # per slot
+    gpu_node: np.ndarray
+    gpu_type: np.ndarray
+    variant_gpu_type: np.ndarray
+    node_names: list
+    model_names: list
+    first_new_slot: int
+    pools: bool
+    seed: int
+    warm_start: bool
+    loading_delay: infra.Delay
+    construction_draws: int
+
+    def dims(self, growth: Growth) -> dict:
+        return dict(scaling=True, scaling_models=1, scaling_pending=4 * growth.scaling,
+                    scaling_log=bucket(64 * growth.scaling), scaling_pools=self.pools)
+
+    def params(self, growth: Growth, engine_params: EngineParams) -> scaling.ScalingParams:
+        from blis_jax.rng.go_rand import GoRand
+        from blis_jax.rng.streams import AUTOSCALER, INSTANCE_LOADING
+
+        draws = bucket(64 * growth.scaling)
+        c = self.config
+
+        def table(delay: infra.Delay, stream: str, skip: int = 0):
+            rng = GoRand(subsystem_seed(self.seed, stream)) if delay.stddev > 0 else None
+            for _ in range(skip if rng is not None else 0):
+                rng.norm_float64()
+            return jnp.asarray([delay.sample_us(rng) for _ in range(draws)], jnp.int64)
+
+        slots = self.slot_variant.shape[0]
+        names = [f"instance_{k}" for k in range(slots)]
+        rank = np.empty(slots, np.int64)
+        rank[sorted(range(slots), key=lambda k: names[k].encode())] = np.arange(slots)
+        return scaling.ScalingParams(
+            interval_us=jnp.asarray(int(c.interval_us), jnp.int64),
+            up_window_us=jnp.asarray(int(c.scale_up_stabilization_window_us), jnp.int64),
+            down_window_us=jnp.asarray(int(c.scale_down_stabilization_window_us), jnp.int64),
+            analyzer=asc.AnalyzerParams.of(c.analyzer), variants=asc.Variants.of(self.variants),
+            variant_gpu_type=jnp.asarray(self.variant_gpu_type, jnp.int32),
+            variant_tp=jnp.asarray([tp for _, tp, _ in self.variants], jnp.int32),
+            scrape_delay_us=table(c.hpa_scrape_delay, AUTOSCALER),
+            loading_delay_us=table(self.loading_delay, INSTANCE_LOADING, self.construction_draws),
+            gpu_node=jnp.asarray(self.gpu_node, jnp.int32), gpu_type=jnp.asarray(self.gpu_type, jnp.int32),
+            startup_rank=jnp.asarray(rank), first_new_slot=jnp.asarray(self.first_new_slot, jnp.int32),
+            unbounded=jnp.asarray(int(engine_params.horizon_us) >= INF_TIME))
+
+    def state(self, cd: loop.ClusterDims) -> scaling.ScalingState:
+        ss = scaling.init_state(cd.scaling_models, cd.num_instances, cd.scaling_pending, cd.scaling_log,
+                                self.slot_variant)
+        return dataclasses.replace(ss, next_slot=jnp.asarray(self.first_new_slot, jnp.int32))
+
+
+def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup: infra.StartupInstances | None,
+                   params: EngineParams, deployed: deploy.InstanceDeployments, hardware: str) -> ScalingSetup:
+    """Variants (blis-infra §4.3: (GPU type, max(TP, 1)) of the placed instances, cost of the
+    first pool of that type; without node pools one variant (`hardware`, 1) at cost 0), the GPU
+    inventory for placement, and the KV capacity of the slots new instances take."""
+    slots = cluster.slots
+    model_names = [cluster.served_model or ""]
+    if startup is None:
+        return ScalingSetup(
+            config=config, deployed=deployed, variants=[(hardware, 1, 0.0)], slot_variant=np.zeros(slots, np.int32),
+            gpu_node=np.zeros(1, np.int32), gpu_type=np.full(1, -1, np.int32), variant_gpu_type=np.zeros(1, np.int32),
+            node_names=[], model_names=model_names, first_new_slot=cluster.num_instances, pools=False,
+            seed=cluster.seed, warm_start=True, loading_delay=infra.Delay(), construction_draws=0)
+    gpus = infra.inventory(cluster.node_pools)
+    types = sorted({g.gpu_type for g in gpus})
+    nodes = list(dict.fromkeys(g.node for g in gpus))
+    variants: list = []
+    slot_variant = np.zeros(slots, np.int32)
+    blocks_of: dict = {}
+    for k, p in enumerate(startup.placements):
+        if p is None:
+            continue
+        key = (p.gpu_type, max(p.tp, 1), p.cost_per_hour)
+        if key not in variants:
+            variants.append(key)
+        slot_variant[k] = variants.index(key)
+        blocks_of.setdefault(variants.index(key), (startup.total_kv_blocks[k], startup.max_model_len[k]))
+    if len(set(blocks_of.values())) > 1:
+        raise ConfigError("the autoscaler on node pools of different GPU memory is not simulated yet (its new "
+                          "instances' KV capacity depends on where they land); give the pools the same "
+                          "gpu_memory_gib, or set --total-kv-blocks")
+    new_blocks, new_mml = next(iter(blocks_of.values()))
+    first_new = startup.num_placed
+    blocks = np.asarray(deployed.total_kv_blocks).copy()
+    mml = np.asarray(deployed.max_model_len).copy()
+    blocks[first_new:], mml[first_new:] = new_blocks, new_mml
+    slot_variant[first_new:] = 0
+    deployed = dataclasses.replace(deployed, total_kv_blocks=jnp.asarray(blocks, jnp.int64),
+                                   max_model_len=jnp.asarray(mml, jnp.int64))
+    lifecycle = cluster.instance_lifecycle
+    construction = (0 if lifecycle.warm_start_initial_instances or lifecycle.loading_delay.stddev <= 0
+                    else startup.num_placed)
+    return ScalingSetup(
+        config=config, deployed=deployed, variants=variants, slot_variant=slot_variant,
+        gpu_node=np.asarray([nodes.index(g.node) for g in gpus], np.int32),
+        gpu_type=np.asarray([types.index(g.gpu_type) for g in gpus], np.int32),
+        variant_gpu_type=np.asarray([types.index(t) for t, _, _ in variants], np.int32), node_names=nodes,
+        model_names=model_names, first_new_slot=first_new, pools=True, seed=cluster.seed,
+        warm_start=lifecycle.warm_start_initial_instances, loading_delay=lifecycle.loading_delay,
+        construction_draws=construction)
 
 
 def model_ids(requests: RequestSet, cluster: ClusterConfig, padded_to: int) -> dict:

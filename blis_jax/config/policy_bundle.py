@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from blis_jax.cluster.autoscaler import AnalyzerConfig, AutoscalerConfig
 from blis_jax.cluster.node_pools import Delay, InstanceLifecycle, NodePool
 from blis_jax.errors import ConfigError
 
@@ -56,21 +57,8 @@ class RoutingBundle:
         return ",".join(f"{n}:{w:g}" for n, w in self.scorers) or None
 
 
-@dataclasses.dataclass(frozen=True)
-class AnalyzerBundle:
-    kv_cache_threshold: float = 0.0
-    scale_up_threshold: float = 0.0
-    scale_down_boundary: float = 0.0
-    avg_input_tokens: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class AutoscalerBundle:
-    interval_us: float = 0.0
-    scale_up_stabilization_window_us: float = 0.0
-    scale_down_stabilization_window_us: float = 0.0
-    hpa_scrape_delay: Delay = Delay()
-    analyzer: AnalyzerBundle = AnalyzerBundle()
+# the bundle's `autoscaler` section is the library's autoscaler configuration
+AnalyzerBundle, AutoscalerBundle = AnalyzerConfig, AutoscalerConfig
 
 
 @dataclasses.dataclass(frozen=True)

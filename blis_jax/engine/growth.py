@@ -30,6 +30,7 @@ CAPACITY_OF = {
     results.BATCH_FULL: "batch_slots",
     results.TRANSFERS_FULL: "transfers",
     results.GATEWAY_FULL: "gateway_slots",
+    results.SCALING_FULL: "scaling",
 }
 
 
@@ -47,6 +48,7 @@ class Growth:
     batch_slots: int = 1
     transfers: int = 1
     gateway_slots: int = 1
+    scaling: int = 1  # autoscaler: instance slots, pending actuations, delay draws, log lines
 
     @classmethod
     def uniform(cls, factor: int) -> Growth:

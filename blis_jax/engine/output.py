@@ -96,6 +96,8 @@ class SimOutput:
     result: int = RESULT_OK
     gateway_delay_us: np.ndarray | None = None  # flow control: dispatch - enqueue per request, -1 if never dispatched
     hol_blocking_events: int = 0  # clusters: instances whose mean wait queue is > 2x the cross-instance mean
+    instance_names: tuple[str, ...] | None = None  # per instance; None: instance_<k> (autoscaled clusters name theirs)
+    cluster_log: tuple[tuple[int, str, str], ...] = ()  # (µs, level, message): what BLIS logs about scaling
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():

@@ -16,6 +16,8 @@ INBOX_FULL = 1 << 9  # more routed requests awaiting their enqueue at one instan
 TRANSFERS_FULL = 1 << 10  # PD cluster: more KV transfers in flight (or unread completions) than held
 GATEWAY_FULL = 1 << 11  # flow control: more requests queued at the gateway (or awaiting routing) than held
 BATCH_FULL = 1 << 12  # the running batch filled its slots while max-num-seqs allowed more (dims.batch_slots)
+SCALING_FULL = 1 << 13  # autoscaler: more pending actuations, delay draws or log lines than held
+INSTANCE_SLOTS_FULL = 1 << 14  # autoscaler: it created more instances than the compiled slots (driver regrows)
 
 _NAMES = {
     ROWS_FULL: "rows_full",
@@ -29,10 +31,12 @@ _NAMES = {
     TRANSFERS_FULL: "transfers_full",
     GATEWAY_FULL: "gateway_full",
     BATCH_FULL: "batch_full",
+    SCALING_FULL: "scaling_full",
+    INSTANCE_SLOTS_FULL: "instance_slots_full",
 }
 
 GROWABLE = (ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL | WINDOW_FULL | STEP_LOG_FULL | RUN_LOG_FULL
-            | INBOX_FULL | TRANSFERS_FULL | GATEWAY_FULL | BATCH_FULL)
+            | INBOX_FULL | TRANSFERS_FULL | GATEWAY_FULL | BATCH_FULL | SCALING_FULL)
 
 
 def describe(code: int) -> str:
@@ -63,6 +67,10 @@ _FIXES = {
     GATEWAY_FULL: "more requests waited at the gateway than planned: set a gateway queue depth limit or a "
                   "request TTL, or lower the rate",
     BATCH_FULL: "the running batch outgrew its planned slots: lower max-num-seqs",
+    SCALING_FULL: "the autoscaler actuated more often than planned: raise the "
+                  "stabilization windows or the tick interval, or set a horizon",
+    INSTANCE_SLOTS_FULL: "the autoscaler created more instances than planned: raise the stabilization windows or "
+                         "the tick interval, or set a horizon",
 }
 
 

@@ -19,6 +19,7 @@ ROUTER = "router"
 PREFILL_ROUTER = "prefill-router"
 DECODE_ROUTER = "decode-router"
 KV_OFFLOAD = "kv-offload"
+AUTOSCALER = "autoscaler"  # HPA scrape delays of scaling actuations (blis-infra §1.3)
 INSTANCE_LOADING = "instance-loading"  # loading delays of instances placed on node pools (blis-infra §1.3)
 
 

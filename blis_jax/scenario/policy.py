@@ -7,7 +7,7 @@ BLIS's precedence (blis-infra §6.4).
 * `routing.scorers` are the weighted policy's scorers when the scenario names none.
 * `node_pools` and `instance_lifecycle` come from the bundle only (a scenario that sets its own
   as well is an error: one source).
-* Keys of features blis-jax does not simulate yet (an autoscaler interval, tenant budgets, SLO
+* Keys of features blis-jax does not simulate yet (tenant budgets, SLO
   priority or target maps) are errors naming the key, never silently ignored.
 """
 
@@ -66,6 +66,10 @@ def apply_policy_bundle(config: ScenarioConfig, warn=None) -> ScenarioConfig:
     policy = changes.get("routing_policy", c.routing_policy)
     if policy == "weighted" and c.routing_scorers is None and bundle.routing.scorers:
         changes["routing_scorers"] = bundle.routing.scorer_profile
+    if bundle.autoscaler.interval_us > 0:   # its other keys count only with its own interval (§4.1)
+        if c.autoscaler is not None:
+            raise ConfigError(f"{where} sets autoscaler, and so does {name('cluster.autoscaler')}; give it in one place")
+        changes["autoscaler"] = bundle.autoscaler
     if bundle.node_pools or bundle.instance_lifecycle != InstanceLifecycle():
         if c.node_pools or c.instance_lifecycle != InstanceLifecycle():
             raise ConfigError(f"{where} sets node_pools/instance_lifecycle, and so does {name('cluster.node_pools')}; "
@@ -87,8 +91,6 @@ def apply_policy_bundle(config: ScenarioConfig, warn=None) -> ScenarioConfig:
 def _refuse_unsupported(bundle: PolicyBundle, where: str) -> None:
     """Bundle keys of features blis-jax does not simulate yet: an error naming the key."""
     unsupported = []
-    if bundle.autoscaler.interval_us > 0:
-        unsupported.append("autoscaler.interval_us (the autoscaler)")
     if bundle.tenant_budgets is not None:
         unsupported.append("tenant_budgets")
     if bundle.admission.slo_priorities:

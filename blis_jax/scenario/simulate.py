@@ -123,7 +123,8 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
         out, views = simulate_cluster_views(requests, params, model, resolved.cluster,
                                             kv_bytes_per_token=resolved.kv_bytes_per_token,
                                             prefill_pool=resolved.prefill_pool, decode_pool=resolved.decode_pool,
-                                            startup=resolved.startup, **settings)
+                                            startup=resolved.startup, hardware=resolved.hardware,
+                                            **settings)
     if out.result != result_codes.OK:
         raise SimulationFailed(f"the engine stopped early ({result_codes.fix(out.result)}); its outputs would be "
                                "incomplete, so none are given")
