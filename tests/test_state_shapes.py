@@ -19,7 +19,7 @@ from engine_helpers import latency_model, params_from  # noqa: E402
 NAMES = {"N": "num_requests", "W": "window", "U": "sessions", "S": "batch_slots", "R": "rows",
          "B": "blocks_per_request", "P": "preempted_slots", "Q": "wait_slots", "E": "exit_log", "K": "kv_blocks",
          "F": "free_ring", "G": "prefix_groups", "PB": "prefix_blocks", "L": "step_log", "RL": "run_log",
-         "T": "trace_log"}
+         "T": "trace_log", "C": "lora_slots", "A": "lora_adapters"}
 
 
 def _distinct_dims():
