@@ -95,7 +95,7 @@ class SimOutput:
     result: int = RESULT_OK
     gateway_delay_us: np.ndarray | None = None  # flow control: dispatch - enqueue per request, -1 if never dispatched
     hol_blocking_events: int = 0  # clusters: instances whose mean wait queue is > 2x the cross-instance mean
-    # LoRA (engine/lora.py): registry ids, and cold loads / evictions per adapter summed over instances
+    # LoRA (engine/lora.py): registry ids, and cold loads / evictions per instance and adapter [I, A]
     adapter_ids: tuple[str, ...] = ()
     adapter_loads: np.ndarray | None = None
     adapter_evictions: np.ndarray | None = None

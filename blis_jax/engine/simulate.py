@@ -208,10 +208,9 @@ def simulate_instance(
 
 
 def with_adapter_counts(out: SimOutput, lora, loads, evictions) -> SimOutput:
-    """`out` with the LoRA registry and per-adapter load / eviction counts (summed over any
-    leading instance axis)."""
+    """`out` with the LoRA registry and per-instance, per-adapter load / eviction counts [I, A]."""
     a = len(lora.adapters)
-    loads, evictions = (np.asarray(x).reshape(-1, np.shape(x)[-1]).sum(axis=0)[:a] for x in (loads, evictions))
+    loads, evictions = (np.asarray(x).reshape(-1, np.shape(x)[-1])[:, :a] for x in (loads, evictions))
     return dataclasses.replace(out, adapter_ids=lora.ids, adapter_loads=loads, adapter_evictions=evictions)
 
 
