@@ -31,7 +31,7 @@ from blis_jax.engine.dims import bucket, choose_dims
 from blis_jax.engine.growth import Growth, run_growing
 from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.params import EngineParams
-from blis_jax.engine.simulate import request_arrays, to_output
+from blis_jax.engine.simulate import request_arrays, to_output, with_adapter_counts, with_lora
 from blis_jax.errors import ConfigError
 from blis_jax.rng.go_jax import go_stream
 from blis_jax.rng.streams import DECODE_ROUTER, PREFILL_ROUTER, ROUTER, subsystem_seed
@@ -182,6 +182,7 @@ def simulate_cluster_views(
     decode_pool: deploy.PoolDeployment | None = None,
     progress: Callable[[int, int, int], None] | None = None,
     batch_start: int | None = None,
+    lora=None,
 ) -> tuple[so.SimOutput, InstanceViews | None]:
     """`simulate_cluster`, plus the per-instance views when there are PD pools.
     `kv_bytes_per_token` (per GPU of the prefill pool) sizes KV transfers; a `prefill_pool` /
@@ -197,6 +198,15 @@ def simulate_cluster_views(
         kv_bytes_per_token = prefill_pool.kv_bytes_per_token
     if cluster.pd and kv_bytes_per_token <= 0:
         raise ConfigError("PD disaggregation needs the model's KV bytes per token to size transfers")
+    adapters = None
+    if lora is not None:  # LoRA adapters (engine/lora.py): resident sets per instance
+        from blis_jax.engine import lora as lora_mod
+
+        if cluster.pd:
+            raise ConfigError("LoRA adapters with PD disaggregation are not simulated yet; drop --lora-config or "
+                              "the PD pools")
+        adapters = lora.adapter_index(lora_mod.adapter_labels(requests))
+        params = dataclasses.replace(params, lora=lora_mod.lora_params(lora, lora_mod.engine_sizes(lora)["lora_adapters"]))
     kv_blocks = deploy.largest_kv_blocks(params, prefill_pool, decode_pool)
     slot_ids = jnp.arange(cluster.slots)
     prefill_role, decode_role = (pd_rules.pool_masks(cluster.slots, prefill=cluster.prefill_instances,
@@ -217,7 +227,7 @@ def simulate_cluster_views(
             block_size=block_size, scheduler=scheduler, preemption_policy=preemption_policy, growth=growth,
             step_log=events_per_chunk, batch_start=batch_start,
         )
-        edims = dataclasses.replace(edims, sample_wait=True)  # HOL blocking events (merge_outputs)
+        edims = with_lora(dataclasses.replace(edims, sample_wait=True), lora)  # sample_wait: HOL blocking events
         if cluster.pd:
             edims = dataclasses.replace(edims, exit_log=2 * edims.batch_slots, transfers=True)
         gateway_slots = 0
@@ -241,7 +251,7 @@ def simulate_cluster_views(
             total_kv_blocks=deployed.total_kv_blocks, max_model_len=deployed.max_model_len,
             gateway=gw.padded(gateway, edims.num_requests) if gateway is not None else None,
         )
-        req = request_arrays(requests, edims)
+        req = request_arrays(requests, edims, adapters=adapters)
         streams = tuple(go_stream(subsystem_seed(cluster.seed, name))   # blis-rng §2: seed XOR fnv1a64(name)
                         for name in (ROUTER, PREFILL_ROUTER, DECODE_ROUTER))
         cs = _init(cd, params, cparams, req, deployed.model, cluster.admission(),
@@ -265,7 +275,11 @@ def simulate_cluster_views(
         return (cs, edims, code, readers), code
 
     cs, edims, code, readers = run_growing(attempt)
-    return merge_outputs(cs, edims, params, requests, code, readers, cluster.num_instances, cluster.pd)
+    out, views = merge_outputs(cs, edims, params, requests, code, readers, cluster.num_instances, cluster.pd)
+    if lora is not None:
+        k = cluster.num_instances
+        out = with_adapter_counts(out, lora, cs.instances.lora_loads[:k], cs.instances.lora_evictions[:k])
+    return out, views
 
 
 _init = jax.jit(loop.init_cluster, static_argnums=0)
