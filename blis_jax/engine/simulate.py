@@ -229,6 +229,8 @@ def simulate_sessions(
                           "order the queue by arrival time, which a follow-up round only gets during the run)")
     state, dims, code, itl_reader = _drive(requests, sessions, params, model, **kwargs)
     out = to_output(state, dims, params, requests, code, itl_reader)
+    if kwargs.get("lora") is not None:
+        out = with_adapter_counts(out, kwargs["lora"], state.lora_loads, state.lora_evictions)
     arrival, follow_seq = (np.asarray(a)[: len(requests)] for a in jax.device_get((state.arrival, state.follow_seq)))
     rows, settled = settle_sessions(requests, sessions, arrival, follow_seq)
     return settled, out.take(rows)
