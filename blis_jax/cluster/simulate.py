@@ -206,7 +206,7 @@ def simulate_cluster_views(
             raise ConfigError("LoRA adapters with PD disaggregation are not simulated yet; drop --lora-config or "
                               "the PD pools")
         adapters = lora.adapter_index(lora_mod.adapter_labels(requests))
-        params = dataclasses.replace(params, lora=lora_mod.lora_params(lora, lora_mod.engine_sizes(lora)["lora_adapters"]))
+        params = lora_mod.with_params(params, lora)
     kv_blocks = deploy.largest_kv_blocks(params, prefill_pool, decode_pool)
     slot_ids = jnp.arange(cluster.slots)
     prefill_role, decode_role = (pd_rules.pool_masks(cluster.slots, prefill=cluster.prefill_instances,

@@ -89,7 +89,8 @@ def _adapters(where: str, raw) -> tuple[tuple[str, int], ...]:
 
 def _tiers(where: str, raw) -> tuple[tuple[int, float, float], ...]:
     if not isinstance(raw, Mapping) or not raw:
-        raise ConfigError(f"{where}: lora.step_overhead_tiers must map ranks to {{k6, k7}}, e.g. 8: {{k6: 0.02, k7: 1}}")
+        raise ConfigError(f"{where}: lora.step_overhead_tiers must map ranks to {{k6, k7}}, "
+                          "e.g. 8: {k6: 0.02, k7: 1}")
     out = []
     for rank, tier in raw.items():
         try:

@@ -108,6 +108,11 @@ def lora_params(cfg: LoraConfig, num_adapters: int) -> LoraParams:
     )
 
 
+def with_params(params, cfg: LoraConfig):
+    """EngineParams with the LoRA numbers of `cfg`."""
+    return dataclasses.replace(params, lora=lora_params(cfg, engine_sizes(cfg)["lora_adapters"]))
+
+
 def engine_sizes(cfg: LoraConfig) -> dict:
     """EngineDims fields for `cfg`: slots and registry size (buckets), decode runs not coasted."""
     from blis_jax.engine.dims import bucket

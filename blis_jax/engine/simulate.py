@@ -268,7 +268,7 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
         from blis_jax.engine import lora as lora_mod
 
         adapters = lora.adapter_index(lora_mod.adapter_labels(requests))
-        params = dataclasses.replace(params, lora=lora_mod.lora_params(lora, lora_mod.engine_sizes(lora)["lora_adapters"]))
+        params = lora_mod.with_params(params, lora)
     for value, allowed, flag in ((scheduler, ("fcfs", "priority-fcfs", "sjf"), "--scheduler"),
                                  (preemption_policy, ("fcfs", "priority"), "--preemption-policy")):
         if value not in allowed:
