@@ -4,8 +4,8 @@ The public API (everything in `__all__`):
 
 * configure a scenario in plain Python: `ScenarioConfig(deployment=Deployment(...),
   engine=EngineSettings(...), workload=SyntheticWorkload(...) | SpecWorkload(...) |
-  TraceWorkload(...), cluster=ClusterConfig(...), horizon_us=..., seed=...)`, validated on
-  construction (`ConfigError` names the field);
+  TraceWorkload(...), cluster=ClusterConfig(...), horizon_us=..., seed=..., lora=LoraSettings(...))`,
+  validated on construction (`ConfigError` names the field);
 * `resolve(config) -> ResolvedScenario` (model, GPU, latency model, requests) and
   `simulate(config_or_resolved) -> SimulationResult` (`.metrics`, `.records`, `.report()`);
 * `simulate_batch([...]) -> [SimulationResult]`: many single-instance scenarios as one
@@ -43,6 +43,7 @@ _EXPORTS = {
     "SyntheticWorkload": "blis_jax.scenario.config",
     "SpecWorkload": "blis_jax.scenario.config",
     "TraceWorkload": "blis_jax.scenario.config",
+    "LoraSettings": "blis_jax.scenario.config",
     "ClusterConfig": "blis_jax.cluster.simulate",
     "GaussianLength": "blis_jax.workload.distribution",
     "resolve": "blis_jax.scenario.resolve",
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
     from blis_jax.scenario.config import (
         Deployment as Deployment,
         EngineSettings as EngineSettings,
+        LoraSettings as LoraSettings,
         ScenarioConfig as ScenarioConfig,
         SpecWorkload as SpecWorkload,
         SyntheticWorkload as SyntheticWorkload,

@@ -155,6 +155,8 @@ def _record(out: SimOutput, requests: RequestSet, i: int, itl_us: float, done: b
     if out.handled_by[i] >= 0:
         rec["handled_by"] = instance_name(int(out.handled_by[i]), out)
     _put_label(rec, "model", requests.model[i])
+    if out.adapter_ids:
+        _put_label(rec, "adapter", _adapter_labels(requests)[i])
     if out.status[i] == LENGTH_CAPPED:
         rec["length_capped"] = True
     if out.gateway_delay_us is not None and out.gateway_delay_us[i] >= 0:
@@ -239,7 +241,41 @@ def metrics_output(out: SimOutput, requests: RequestSet, instance: int | None = 
     m["timed_out_requests"] = timed_out
     if goodput_targets and instance is None:
         m.update(goodput_fields(out, requests, goodput_targets))
+    if out.adapter_ids:
+        m["adapters"] = adapter_metrics(out, requests, instance, done, duration_s)
     return m
+
+
+def _adapter_labels(requests: RequestSet) -> np.ndarray:
+    column = requests.trace_columns.get("adapter")
+    return np.full(len(requests), "", object) if column is None else np.asarray(column, object).astype(str)
+
+
+def adapter_metrics(out: SimOutput, requests: RequestSet, instance: int | None, done: np.ndarray,
+                    duration_s: float) -> dict:
+    """The `adapters` block: per LoRA adapter (by id) cold loads and evictions, TTFT p50 / p99
+    (µs) and output-token throughput over its completed requests. An adapter appears when it
+    was loaded or completed a request here."""
+    labels = _adapter_labels(requests)
+    inst = slice(None) if instance is None else slice(instance, instance + 1)
+    loads = np.asarray(out.adapter_loads)[inst].sum(axis=0)
+    evictions = np.asarray(out.adapter_evictions)[inst].sum(axis=0)
+    block = {}
+    for k in sorted(range(len(out.adapter_ids)), key=lambda k: out.adapter_ids[k]):
+        mine = done & (labels == out.adapter_ids[k])
+        if not mine.any() and loads[k] == 0:
+            continue
+        ttft = out.ttft_us[mine]
+        tokens = int(out.output_tokens[mine].sum())
+        block[out.adapter_ids[k]] = {
+            "load_count": int(loads[k]),
+            "eviction_count": int(evictions[k]),
+            # BLIS takes the percentile in ms and multiplies back (the last bits show it)
+            "ttft_p50_us": percentile_ms(ttft, 50) * 1000.0,
+            "ttft_p99_us": percentile_ms(ttft, 99) * 1000.0,
+            "throughput_tok_per_s": float(tokens) / duration_s if duration_s > 0 else 0.0,
+        }
+    return block
 
 
 def _latency_fields(out: SimOutput, rows: np.ndarray, done: np.ndarray) -> dict[str, float]:

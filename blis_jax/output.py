@@ -236,7 +236,7 @@ def metrics_file_text(out: SimOutput, requests: RequestSet,
     """--metrics-path content: cluster block + cache_hit_rate + per-request records.
     BLIS writes the goodput fields after `requests`."""
     block = metrics_output(out, requests, with_cache_hit_rate=True, goodput_targets=goodput_targets)
-    goodput = {k: block.pop(k) for k in GOODPUT_KEYS if k in block}
+    goodput = {k: block.pop(k) for k in (*GOODPUT_KEYS, "adapters") if k in block}
     body = {**block, "requests": request_records(out, requests), **goodput}
     return go_json(body)
 

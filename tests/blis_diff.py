@@ -136,7 +136,6 @@ NOT_YET_SUPPORTED = {
     "kv_offload_config": "multi-tier KV offload (issue #24)",
     "prefill_decode_instances": "shared prefill-decode pools (issue #24)",
     "prefill_latency_model": "per-pool latency models (issue #24)",
-    "lora_config": "LoRA adapters (issue #24)",
 }
 
 

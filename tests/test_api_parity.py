@@ -14,7 +14,15 @@ import pytest
 
 from blis_jax.cli import main
 from blis_jax.cluster.simulate import ClusterConfig
-from blis_jax.scenario import Deployment, EngineSettings, ScenarioConfig, SyntheticWorkload, TraceWorkload, simulate
+from blis_jax.scenario import (
+    Deployment,
+    EngineSettings,
+    LoraSettings,
+    ScenarioConfig,
+    SyntheticWorkload,
+    TraceWorkload,
+    simulate,
+)
 
 CLUSTER_FIELDS = ("num_instances", "routing_policy", "routing_scorers", "admission_policy",
                   "snapshot_refresh_interval_us", "cache_signal_delay_us", "admission_latency_us",
@@ -29,7 +37,12 @@ def case_config(case_dir) -> ScenarioConfig:
     case = json.loads((case_dir / "case.json").read_text())
     explicit_blocks = case["total_kv_blocks_source"].startswith("explicit")
     explicit_len = case["max_model_len_source"].startswith("explicit")
-    other = case["other_flags"]
+    other = dict(case["other_flags"])
+    # LoRA: the file and the capacity flag; the scorer weight is already in routing_scorers
+    lora = LoraSettings(config=case_dir / other.pop("lora_config"),
+                        adapter_capacity=other.pop("lora_adapter_capacity", None)) if "lora_config" in other \
+        else LoraSettings()
+    other.pop("lora_scorer_weight", None)
     unknown = set(other) - set(OTHER_CLUSTER_FLAGS)
     assert not unknown, f"case {case['id']}: other_flags {unknown} not mapped"
     return ScenarioConfig(
@@ -44,7 +57,7 @@ def case_config(case_dir) -> ScenarioConfig:
         workload=TraceWorkload(header=case_dir / "trace.yaml", data=case_dir / "trace.csv"),
         cluster=ClusterConfig(**{f: case[f] for f in CLUSTER_FIELDS}, **other),
         horizon_us=case["horizon_us"] if case["horizon_source"].startswith("explicit") else None,
-        seed=case["seed"])
+        seed=case["seed"], lora=lora)
 
 
 def test_api_equals_cli_run():

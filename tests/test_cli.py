@@ -171,10 +171,10 @@ def replay_case(case_id: str, tmp_path: Path):
     args = json.loads((case_dir / "case.json").read_text())["blis_args"]
     mapped = []
     for flag, value in zip(args[::2], args[1::2]):
-        if flag in ("--trace-header", "--trace-data"):
-            value = case_dir / value
-        elif flag in ("--results-path", "--metrics-path"):
+        if flag in ("--results-path", "--metrics-path"):
             value = tmp_path / value
+        elif flag in ("--trace-header", "--trace-data", "--lora-config"):   # files of the case folder
+            value = case_dir / value
         mapped += [flag, value]
     rc, out, err = cli("replay", *mapped)
     assert rc == 0, err
@@ -214,10 +214,12 @@ def test_run_with_generation_args_prints_blis_run(tmp_path):
 
 def _cluster_cases() -> list[str]:
     """Reference cases whose routing is deterministic (round-robin) or that admit by token
-    bucket: BLIS's output is reproducible byte for byte."""
+    bucket: BLIS's output is reproducible byte for byte. Also the weighted LoRA case (J02): its
+    lora-affinity routing breaks ties with BLIS's router stream, reproduced exactly too."""
     def selected(c: dict) -> bool:
         pool_scorers = any(k in c["other_flags"] for k in ("prefill_routing_scorers", "decode_routing_scorers"))
-        deterministic = c["routing_policy"] == "round-robin" and not pool_scorers
+        lora_weighted = c["routing_policy"] == "weighted" and "lora_config" in c["other_flags"]
+        deterministic = (c["routing_policy"] == "round-robin" or lora_weighted) and not pool_scorers
         return (c["num_instances"] > 1 or c["admission_policy"] != "always-admit") and deterministic
 
     return _case_ids(selected)

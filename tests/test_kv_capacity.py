@@ -13,9 +13,10 @@ from blis_jax.config import (
     load_model,
     model_weight_bytes,
 )
+from blis_jax.config.lora_config import resolve_lora
 from blis_jax.errors import ConfigError
+from blis_jax.scenario import LoraSettings
 
-from blis_diff import not_yet_supported  # noqa: E402
 from shared_data import BLIS_DIFF, needs_blis_diff  # noqa: E402
 GIB = 2**30
 
@@ -57,10 +58,8 @@ def _auto_cases():
     for path in sorted(BLIS_DIFF.glob("*/case.json")):
         case = json.loads(path.read_text())
         if case["total_kv_blocks_source"].startswith("auto"):
-            # LoRA reserves HBM for its adapters before the KV cache is sized
-            lora = "lora_config" in case.get("other_flags", {})
-            marks = [pytest.mark.xfail(strict=True, reason=f"needs {not_yet_supported(case)}")] if lora else []
-            cases.append(pytest.param(case, id=case["id"], marks=marks))
+            case = {**case, "folder": path.parent}
+            cases.append(pytest.param(case, id=case["id"]))
     return cases
 
 
@@ -69,8 +68,14 @@ def _auto_cases():
 def test_blis_diff_auto_capacity(case):
     # Every auto-sized case of the BLIS differential set: blocks and derived max-model-len.
     arch = load_model(case["model"])
+    other = case.get("other_flags", {})
+    # LoRA reserves HBM for its adapters (capacity x footprint x max rank) before the KV cache is sized
+    lora = resolve_lora(LoraSettings(config=case["folder"] / other["lora_config"],
+                                     adapter_capacity=other.get("lora_adapter_capacity"))) \
+        if "lora_config" in other else None
     blocks = auto_kv_blocks(
-        arch, load_gpu(case["hardware"]), case["tp"], block_size=case["block_size"]
+        arch, load_gpu(case["hardware"]), case["tp"], block_size=case["block_size"],
+        lora_reserve_gib=lora.reservation_gib if lora else 0.0,
     )
     assert blocks == case["total_kv_blocks"]
     if case["max_model_len_source"].startswith("auto"):

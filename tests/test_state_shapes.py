@@ -19,7 +19,7 @@ from engine_helpers import latency_model, params_from  # noqa: E402
 NAMES = {"N": "num_requests", "W": "window", "U": "sessions", "S": "batch_slots", "R": "rows",
          "B": "blocks_per_request", "P": "preempted_slots", "Q": "wait_slots", "E": "exit_log", "K": "kv_blocks",
          "F": "free_ring", "G": "prefix_groups", "PB": "prefix_blocks", "L": "step_log", "RL": "run_log",
-         "T": "trace_log"}
+         "T": "trace_log", "C": "lora_slots", "A": "lora_adapters"}
 
 
 def _distinct_dims():
@@ -32,7 +32,7 @@ def _distinct_dims():
                        step_log=96, trace_steps=True)
     dims = dataclasses.replace(dims, num_requests=48, window=256, sessions=3, batch_slots=8, preempted_slots=9,
                                blocks_per_request=12, wait_slots=24, exit_log=5, kv_blocks=1024, free_ring=640,
-                               prefix_groups=2, prefix_blocks=1, run_log=72)
+                               prefix_groups=2, prefix_blocks=1, run_log=72, lora_slots=6, lora_adapters=7)
     return requests, dims
 
 

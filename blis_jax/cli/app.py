@@ -240,6 +240,20 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRAC",
                    help="GPU memory fraction for weights + KV cache in auto-sizing (default 0.9)")
 
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--lora-config", default=None, metavar="FILE",
+                   help="LoRA YAML (top-level lora:): adapter registry, capacity, load costs, step-overhead tiers")
+    g.add_argument("--lora-adapter-capacity", type=int, default=None, metavar="N",
+                   help="resident adapters per instance (overrides the file's adapter_capacity)")
+    g.add_argument("--lora-load-base-latency-us", type=float, default=None, metavar="US",
+                   help="fixed cost of a cold adapter load (default 1500)")
+    g.add_argument("--lora-load-bandwidth-bytes-us", type=float, default=None, metavar="BYTES_PER_US",
+                   help="adapter load bandwidth (default 2e6)")
+    g.add_argument("--lora-footprint-bytes-per-rank", type=float, default=None, metavar="BYTES",
+                   help="adapter HBM footprint per rank (default 2e6)")
+    g.add_argument("--lora-scorer-weight", type=float, default=0.0, metavar="W",
+                   help="adds the lora-affinity scorer with this weight to weighted routing (default 0: off)")
+
     g = p.add_argument_group("batch formation and scheduling")
     g.add_argument("--max-num-seqs", "--max-num-running-reqs", dest="max_num_seqs", type=int,
                    default=256, metavar="N", help="running-batch size limit (default 256)")

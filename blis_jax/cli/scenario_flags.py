@@ -13,6 +13,7 @@ from blis_jax.errors import ConfigError
 from blis_jax.scenario import (
     Deployment,
     EngineSettings,
+    LoraSettings,
     ScenarioConfig,
     SpecWorkload,
     SyntheticWorkload,
@@ -63,7 +64,16 @@ def scenario_config(args: argparse.Namespace, *, seed_given: bool) -> ScenarioCo
     `seed_given`: --seed was typed (otherwise a workload spec's own seed wins, as in BLIS)."""
     return ScenarioConfig(deployment=deployment(args), engine=engine_settings(args), workload=workload(args),
                           cluster=cluster(args), horizon_us=args.horizon,
-                          seed=int(args.seed) if seed_given else None, policy_config=args.policy_config)
+                          seed=int(args.seed) if seed_given else None, policy_config=args.policy_config,
+                          lora=lora(args))
+
+
+def lora(args: argparse.Namespace) -> LoraSettings:
+    return LoraSettings(config=args.lora_config, adapter_capacity=args.lora_adapter_capacity,
+                        load_base_latency_us=args.lora_load_base_latency_us,
+                        load_bandwidth_bytes_us=args.lora_load_bandwidth_bytes_us,
+                        footprint_bytes_per_rank=args.lora_footprint_bytes_per_rank,
+                        scorer_weight=args.lora_scorer_weight)
 
 
 def deployment(args: argparse.Namespace) -> Deployment:

@@ -184,7 +184,15 @@ def live_signals(instances: EngineState, total_kv_blocks: Int64[Array, " I"], bl
         cache_hit_rate=jnp.where(lookups > 0, exact_div(instances.kv_hits.astype(jnp.float64),
                                                         jnp.maximum(lookups, 1).astype(jnp.float64)), 0.0),
         preemption_count=instances.preemptions,
+        adapter_resident=_adapter_resident(instances) if instances.lora_slot.shape[-1] else None,
     )
+
+
+def _adapter_resident(instances: EngineState) -> Bool[Array, "I A"]:
+    """Per instance, which LoRA adapters are loaded (engine/lora.py)."""
+    a = jnp.arange(instances.lora_pins.shape[-1], dtype=jnp.int32)
+    hit = (instances.lora_slot[:, :, None] == a[None, None, :]) & instances.lora_ready[:, :, None]
+    return jnp.any(hit, axis=1)
 
 
 def group_blocks_cached(instances: EngineState, dims: EngineDims) -> Bool[Array, "I G PB"]:
@@ -222,8 +230,10 @@ def _route_request(cs: ClusterState, cd: ClusterDims, req: RequestArrays, r) -> 
         keys = jnp.zeros(0, jnp.int64)
     return sc.RouteRequest(
         input_len=req.input_len[r], cached_prefix_blocks=cached, block_keys=keys,
-        num_blocks=req.input_len[r] // dims.block_size, has_adapter=jnp.asarray(False),
-        adapter_resident=jnp.zeros(cd.num_instances, bool),
+        num_blocks=req.input_len[r] // dims.block_size, has_adapter=req.adapter[r] >= 0,
+        # the router sees adapter residency through the (stale) snapshot, as BLIS's instance-reported signals
+        adapter_resident=(cs.snapshot.signals.adapter_resident[:, jnp.maximum(req.adapter[r], 0)]
+                          if dims.lora_slots else jnp.zeros(cd.num_instances, bool)),
     )
 
 
@@ -250,7 +260,7 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         next_admission=jnp.asarray(0, jnp.int32),
         admission=admission,
         routed=jnp.zeros(i, jnp.int64),
-        snapshot=dataclasses.replace(signals.init_snapshot(i), interval_us=jnp.asarray(snapshot_interval_us, jnp.int64)),
+        snapshot=_init_snapshot(dims, i, snapshot_interval_us),
         cache_signal=signals.CacheSignal(frozen=frozen, last_us=jnp.asarray(0, jnp.int64),
                                          delay_us=jnp.asarray(cache_signal_delay_us, jnp.int64)),
         routing=policy,
@@ -270,6 +280,14 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         scaling=scaling_state,
         result=jnp.asarray(0, jnp.int32),
     )
+
+
+def _init_snapshot(dims: EngineDims, i: int, interval_us) -> signals.Snapshot:
+    snapshot = dataclasses.replace(signals.init_snapshot(i), interval_us=jnp.asarray(interval_us, jnp.int64))
+    if dims.lora_slots:  # nothing resident before the first read
+        snapshot = dataclasses.replace(snapshot, signals=dataclasses.replace(
+            snapshot.signals, adapter_resident=jnp.zeros((i, dims.lora_adapters), bool)))
+    return snapshot
 
 
 def lane_output_len(cparams: ClusterParams, req: RequestArrays) -> Int64[Array, "I N"]:
@@ -388,7 +406,7 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     if cd.reads_prefix_cache:
         cache_signal = signals.refresh_cache_signal(cache_signal, group_blocks_cached(cs.instances, cd.engine), t_route)
     in_flight = _in_flight(cs)
-    route_req = _route_request(dataclasses.replace(cs, cache_signal=cache_signal), cd, req, r)
+    route_req = _route_request(dataclasses.replace(cs, cache_signal=cache_signal, snapshot=snapshot), cd, req, r)
     when = lambda flag, new, old: jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)  # noqa: E731
     prefill_routing, decode_routing = cs.prefill_routing, cs.decode_routing
     prefill_router, decode_router = cs.prefill_router, cs.decode_router

@@ -50,6 +50,7 @@ class InstanceSignals(eqx.Module):
     kv_tokens_capacity: Int64[Array, " I"]  # total KV blocks * block size (autoscaler supply)
     cache_hit_rate: Float64[Array, " I"]  # prefix-cache hit rate in blocks so far
     preemption_count: Int64[Array, " I"]  # preemptions so far
+    adapter_resident: Bool[Array, "I A"] | None = None  # LoRA: adapters loaded on each instance (None: no LoRA)
 
 
 def zero_signals(num_instances: int) -> InstanceSignals:
@@ -97,7 +98,8 @@ def refresh(
     due = now_us - snapshot.last_refresh >= snapshot.interval_us
     if queried is not None:
         due = due & queried
-    signals = jax.tree.map(lambda old, new: jnp.where(due, new, old), snapshot.signals, live)
+    signals = jax.tree.map(lambda old, new: jnp.where(due.reshape(due.shape + (1,) * (new.ndim - 1)), new, old),
+                           snapshot.signals, live)
     return dataclasses.replace(
         snapshot, signals=signals, last_refresh=jnp.where(due, now_us, snapshot.last_refresh)
     )

@@ -34,7 +34,7 @@ from blis_jax.engine.dims import bucket, choose_dims
 from blis_jax.engine.growth import Growth, run_growing
 from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.params import INF_TIME, EngineParams
-from blis_jax.engine.simulate import request_arrays, to_output
+from blis_jax.engine.simulate import request_arrays, to_output, with_adapter_counts, with_lora
 from blis_jax.errors import ConfigError
 from blis_jax.rng.go_jax import go_stream
 from blis_jax.rng.streams import DECODE_ROUTER, PREFILL_ROUTER, ROUTER, subsystem_seed
@@ -244,6 +244,7 @@ def _simulate_cluster_views(
     progress: Callable[[int, int, int], None] | None = None,
     batch_start: int | None = None,
     startup: infra.StartupInstances | None = None,
+    lora=None,
 ) -> tuple[so.SimOutput, InstanceViews | None]:
     """`simulate_cluster`, plus the per-instance views when there are PD pools.
     `kv_bytes_per_token` (per GPU of the prefill pool) sizes KV transfers; a `prefill_pool` /
@@ -260,6 +261,15 @@ def _simulate_cluster_views(
         kv_bytes_per_token = prefill_pool.kv_bytes_per_token
     if cluster.pd and kv_bytes_per_token <= 0:
         raise ConfigError("PD disaggregation needs the model's KV bytes per token to size transfers")
+    adapters = None
+    if lora is not None:  # LoRA adapters (engine/lora.py): resident sets per instance
+        from blis_jax.engine import lora as lora_mod
+
+        if cluster.pd:
+            raise ConfigError("LoRA adapters with PD disaggregation are not simulated yet; drop --lora-config or "
+                              "the PD pools")
+        adapters = lora.adapter_index(lora_mod.adapter_labels(requests))
+        params = lora_mod.with_params(params, lora)
     kv_blocks = deploy.largest_kv_blocks(params, prefill_pool, decode_pool)
     slot_ids = jnp.arange(cluster.slots)
     prefill_role, decode_role = (pd_rules.pool_masks(cluster.slots, prefill=cluster.prefill_instances,
@@ -288,7 +298,7 @@ def _simulate_cluster_views(
             block_size=block_size, scheduler=scheduler, preemption_policy=preemption_policy, growth=growth,
             step_log=events_per_chunk, batch_start=batch_start,
         )
-        edims = dataclasses.replace(edims, sample_wait=True)  # HOL blocking events (merge_outputs)
+        edims = with_lora(dataclasses.replace(edims, sample_wait=True), lora)  # sample_wait: HOL blocking events
         if cluster.pd:
             edims = dataclasses.replace(edims, exit_log=2 * edims.batch_slots, transfers=True)
         gateway_slots = 0
@@ -315,7 +325,7 @@ def _simulate_cluster_views(
             **model_ids(requests, cluster, edims.num_requests),
             scaling=scaling_setup.params(growth, params) if scaling_setup is not None else None,
         )
-        req = request_arrays(requests, edims)
+        req = request_arrays(requests, edims, adapters=adapters)
         streams = tuple(go_stream(subsystem_seed(cluster.seed, name))   # blis-rng §2: seed XOR fnv1a64(name)
                         for name in (ROUTER, PREFILL_ROUTER, DECODE_ROUTER))
         cs = _init(cd, params, cparams, req, deployed.model, cluster.admission(),
@@ -342,12 +352,16 @@ def _simulate_cluster_views(
 
     cs, edims, code, readers = run_growing(attempt)
     # the instances that exist (a pending startup instance is absent from every output, as in
-    # BLIS); first-fit with one TP for all makes the placed ones a prefix of the indices
+    # BLIS); first-fit with one TP for all makes the placed ones a prefix of the indices, and
+    # the autoscaler's follow them in creation order
     built = cluster.num_instances if startup is None else startup.num_placed
-    if scaling_setup is None:
-        return merge_outputs(cs, edims, params, requests, code, readers, built, cluster.pd)
-    built = int(cs.scaling.next_slot)   # the startup instances, then the autoscaler's, in creation order
+    if scaling_setup is not None:
+        built = int(cs.scaling.next_slot)
     out, views = merge_outputs(cs, edims, params, requests, code, readers, built, cluster.pd)
+    if lora is not None:
+        out = with_adapter_counts(out, lora, cs.instances.lora_loads[:built], cs.instances.lora_evictions[:built])
+    if scaling_setup is None:
+        return out, views
     names = scaling.slot_names(cs.scaling, scaling_setup.model_names, np.zeros(built, np.int32))
     log = scaling.scaling_log_lines(cs.scaling, model_names=scaling_setup.model_names, slot_names=names,
                                     variants=scaling_setup.variants, node_names=scaling_setup.node_names)

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from blis_jax.engine import kv, waitqueue
+from blis_jax.engine import kv, lora, waitqueue
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import EngineParams
@@ -191,6 +191,8 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         need = jnp.where(prefilled, kv.blocks_needed(dims, state.row_nblocks[safe_old], state.row_kv_tokens[safe_old], n),
                          (n + bs - 1) // bs + cached_on_free_list)
         admit = on & (need <= state.free_count)
+        if dims.lora_slots:  # LoRA gate: a head whose adapter is not loaded blocks admission
+            admit = admit & lora.resident_ready(state, req.adapter[r])
 
         free_row = jnp.argmax(state.row_state == ROW_FREE)
         no_row = admit & (old_row < 0) & (state.row_state[free_row] != ROW_FREE)
@@ -221,6 +223,8 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             batch_len=state.batch_len + admit,
         )
         state = set_row(set_status(state, r, RUNNING, admit), r, row, admit)
+        if dims.lora_slots:  # the request pins its adapter until it leaves (a preempted one keeps it)
+            state = lora.touch(lora.pin(state, req.adapter[r], 1, admit & (old_row < 0)), req.adapter[r], admit)
         return state, jnp.where(admit, budget - n, budget), stop | (on & ~admit)
 
     ops = (params, req, active, preempted)

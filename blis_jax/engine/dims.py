@@ -68,6 +68,10 @@ class EngineDims:
     # also stops at an enqueue into a full batch's queue (the steps after it see a longer queue)
     sample_wait: bool = False
     coast_steps: int = 64  # most plain decode steps run as one event after a step (coast.py; 1 = off)
+    # LoRA (lora.py): resident-set slots per instance and registry size; 0 = no adapters
+    # (their steps are not coasted: the adapter factor and load events are not in coast.py)
+    lora_slots: int = 0
+    lora_adapters: int = 0
 
     @property
     def trace_log(self) -> int:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from blis_jax import latency
-from blis_jax.engine import batch, coast, itl_log, kv, results, sessions, transfer, waitqueue
+from blis_jax.engine import batch, coast, itl_log, kv, lora, results, sessions, transfer, waitqueue
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import INF_TIME, EngineParams
@@ -35,7 +35,7 @@ from blis_jax.engine.state import (
     status_of,
 )
 
-ENQUEUE, STEP, TIMEOUT = 0, 1, 2
+ENQUEUE, STEP, TIMEOUT, LORA_LOAD = 0, 1, 2, 3
 
 
 def _next_static_enqueue(state: EngineState):
@@ -57,14 +57,28 @@ def _next_enqueue_and_timeout(state: EngineState, req: RequestArrays):
 
 
 def next_event(state: EngineState, req: RequestArrays):
-    """(kind, time) of the next event; time is INF_TIME when nothing is left."""
+    """(kind, time) of the next event; time is INF_TIME when nothing is left. Same-tick order:
+    enqueue, LoRA load completion, step, timeout."""
     t_enqueue, t_timeout = _next_enqueue_and_timeout(state, req)
     t_step = jnp.where(state.step_pending, state.next_step, INF_TIME)
     kind = jnp.where(
         (t_enqueue <= t_step) & (t_enqueue <= t_timeout), ENQUEUE, jnp.where(t_step <= t_timeout, STEP, TIMEOUT)
     )
     time = jnp.minimum(jnp.minimum(t_enqueue, t_step), t_timeout)
+    if state.lora_slot.shape[0]:
+        t_load = state.lora_done
+        load_first = (t_load < t_enqueue) & (t_load <= t_step) & (t_load <= t_timeout)
+        kind = jnp.where(load_first, LORA_LOAD, kind)
+        time = jnp.minimum(time, t_load)
     return kind, time
+
+
+def lora_load_done(state, dims: EngineDims, active) -> EngineState:
+    """AdapterLoadCompletionEvent: the adapter is resident; an idle instance with work steps now."""
+    if not dims.lora_slots:
+        return state
+    state = _advance_clock(state, state.lora_done, active)
+    return _ensure_step(lora.load_done(state, active), active)
 
 
 def _ensure_step(state: EngineState, active) -> EngineState:
@@ -180,6 +194,8 @@ def timeout(state, dims: EngineDims, params: EngineParams, req: RequestArrays, m
     in_batch = (jnp.arange(dims.batch_slots) < state.batch_len) & (state.batch_rows == row) & has_row
     state = batch.remove_batch_slots(state, dims, in_batch)
     state = log_exit(state, dims, r, TIMED_OUT, fires, row=jnp.where(has_row, row, -1))
+    if dims.lora_slots:  # a request admitted once (running or preempted) holds its adapter
+        state = lora.pin(state, req.adapter[r], -1, has_row & ~reserved)
     at_row = jnp.where(has_row, row, dims.rows)
     state = dataclasses.replace(
         state,
@@ -208,7 +224,8 @@ def _step_features(state: EngineState, dims: EngineDims, req: RequestArrays):
     )
 
 
-def _execute(state: EngineState, step_sample, dims: EngineDims, req: RequestArrays, model, active):
+def _execute(state: EngineState, step_sample, dims: EngineDims, params: EngineParams, req: RequestArrays, model,
+             active):
     """Run the formed batch: advance progress, stamp TTFT, log the step's ITL sample."""
     slots = jnp.arange(dims.batch_slots)
     valid = active & (slots < state.batch_len)
@@ -216,6 +233,9 @@ def _execute(state: EngineState, step_sample, dims: EngineDims, req: RequestArra
     r = jnp.maximum(state.row_req[rows], 0)
     feats = _step_features(state, dims, req)
     step_us = latency.step_time_us(model, feats)
+    if dims.lora_slots:   # BLIS: the (integer) step time × the adapter factor, truncated, floor 1
+        factor = lora.step_factor(params, req.adapter[r], feats.scheduled)
+        step_us = jnp.maximum(jnp.int64(1), latency.truncate_us(step_us.astype(jnp.float64) * factor))
     token_us = latency.output_token_time_us(model)
     progress = state.row_progress[rows]
     input_len = req.input_len[r]
@@ -291,6 +311,8 @@ def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams,
         e2e = state.row_ttft[row] + state.row_itl_sum[row] + jnp.where(out > 0, post_us, 0)
         status = jnp.where(is_done, COMPLETED, LENGTH_CAPPED)
         state = log_exit(state, dims, rq, status, on, row=row, e2e=e2e, output_tokens=tokens)
+        if dims.lora_slots:
+            state = lora.pin(state, req.adapter[rq], -1, on)
         state = set_row(set_status(state, rq, status, on), rq, -1, on)
         state = sessions.on_completion(state, params, req, model, rq, state.now + step_us, on)
         if dims.exit_log > 1:  # a PD cluster starts the KV transfer of a finished prefill
@@ -327,13 +349,19 @@ def step(state, dims: EngineDims, params: EngineParams, req: RequestArrays, mode
     run = active & ((state.batch_len > 0) | (state.wait_len > 0))
     state = dataclasses.replace(state, row_new=jnp.where(run, 0, state.row_new))
     state, step_sample = _detach_step_log(state)
+    if dims.lora_slots:  # the cold-load gate, on the wait-queue head (after ordering, before batching)
+        state, head, nonempty = waitqueue.head(state, dims)
+        state = lora.gate(state, params, req.adapter[head], run & nonempty)
     state, budget, preempted = batch.schedule_running(state, dims, params, req, run)
     state = batch.admit_waiting(state, dims, params, req, budget, preempted, run)
     # BLIS samples |WaitQ| after batch formation, every step (blis-features §2.4)
     state = dataclasses.replace(state, wait_depth_sum=state.wait_depth_sum + jnp.where(run, state.wait_len, 0))
-    state, step_us, step_sample = _execute(state, step_sample, dims, req, model, run)
+    state, step_us, step_sample = _execute(state, step_sample, dims, params, req, model, run)
     state = _finish_requests(state, dims, params, req, model, step_us, run)
-    more = run & ((state.batch_len > 0) | (state.wait_len > 0))
+    waiting = state.wait_len > 0
+    if dims.lora_slots:  # an idle instance waits for the adapter load (its completion starts a step)
+        waiting = waiting & (state.lora_loading < 0)
+    more = run & ((state.batch_len > 0) | waiting)
     following = now + step_us
     if dims.coast_steps > 1 and not dims.trace_steps:  # the step trace logs each step's basis
         t_enqueue, t_timeout = _next_enqueue_and_timeout(state, req)

@@ -18,6 +18,7 @@ class EngineParams(eqx.Module):
     max_model_len: Int64[Array, ""]  # 0 = unlimited
     total_kv_blocks: Int64[Array, ""]
     horizon_us: Int64[Array, ""]
+    lora: object = None  # LoraParams (engine/lora.py) when adapters are configured
 
 
 def make_engine_params(

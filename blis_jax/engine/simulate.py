@@ -48,8 +48,10 @@ def wait_ranks(requests: RequestSet, scheduler: str) -> np.ndarray:
     return rank
 
 
-def request_arrays(requests: RequestSet, dims: EngineDims, sessions: SessionLinks | None = None) -> RequestArrays:
-    """Pad the request set to `dims.num_requests` and move it to device arrays."""
+def request_arrays(requests: RequestSet, dims: EngineDims, sessions: SessionLinks | None = None,
+                   adapters: np.ndarray | None = None) -> RequestArrays:
+    """Pad the request set to `dims.num_requests` and move it to device arrays (`adapters`:
+    each request's LoRA registry index, -1 none; lora.LoraConfig.adapter_index)."""
     n, cap = len(requests), dims.num_requests
     links = sessions if sessions is not None else SessionLinks.none(n)
 
@@ -74,6 +76,7 @@ def request_arrays(requests: RequestSet, dims: EngineDims, sessions: SessionLink
         think_time=pad(links.think_time_us, 0, np.int64),
         follow_timeout=pad(links.timeout_us, 0, np.int64),
         session_slot=pad(links.session_slot, -1, np.int32),
+        adapter=pad(np.full(n, -1, np.int32) if adapters is None else adapters, -1, np.int32),
         follow_budget=jnp.asarray(links.follow_budget, jnp.int64),
         valid=pad(np.ones(n, bool), False, bool),
     )
@@ -104,6 +107,7 @@ def _body(state: EngineState, dims, params, req, model, active=True, until=INF_T
         kind, _ = events.next_event(s, req)
         s = events.enqueue(s, dims, params, req, model, on & (kind == events.ENQUEUE))
         s = events.timeout(s, dims, params, req, model, on & (kind == events.TIMEOUT))
+        s = events.lora_load_done(s, dims, on & (kind == events.LORA_LOAD))
         return dataclasses.replace(s, events=s.events + on)
 
     until = jnp.asarray(until, jnp.int64)
@@ -190,6 +194,7 @@ def simulate_instance(
     preemption_policy: str = "fcfs",
     events_per_chunk: int = 200_000,
     progress: Callable[[int, int, int], None] | None = None,
+    lora=None,
 ) -> SimOutput:
     """Simulate one instance serving `requests`; host-side driver around the jitted loop.
 
@@ -197,8 +202,16 @@ def simulate_instance(
     """
     state, dims, code, itl_reader = _drive(requests, None, params, model, block_size=block_size, scheduler=scheduler,
                                            preemption_policy=preemption_policy, events_per_chunk=events_per_chunk,
-                                           progress=progress)
-    return to_output(state, dims, params, requests, code, itl_reader)
+                                           progress=progress, lora=lora)
+    out = to_output(state, dims, params, requests, code, itl_reader)
+    return out if lora is None else with_adapter_counts(out, lora, state.lora_loads, state.lora_evictions)
+
+
+def with_adapter_counts(out: SimOutput, lora, loads, evictions) -> SimOutput:
+    """`out` with the LoRA registry and per-instance, per-adapter load / eviction counts [I, A]."""
+    a = len(lora.adapters)
+    loads, evictions = (np.asarray(x).reshape(-1, np.shape(x)[-1])[:, :a] for x in (loads, evictions))
+    return dataclasses.replace(out, adapter_ids=lora.ids, adapter_loads=loads, adapter_evictions=evictions)
 
 
 def simulate_sessions(
@@ -216,6 +229,8 @@ def simulate_sessions(
                           "order the queue by arrival time, which a follow-up round only gets during the run)")
     state, dims, code, itl_reader = _drive(requests, sessions, params, model, **kwargs)
     out = to_output(state, dims, params, requests, code, itl_reader)
+    if kwargs.get("lora") is not None:
+        out = with_adapter_counts(out, kwargs["lora"], state.lora_loads, state.lora_evictions)
     arrival, follow_seq = (np.asarray(a)[: len(requests)] for a in jax.device_get((state.arrival, state.follow_seq)))
     rows, settled = settle_sessions(requests, sessions, arrival, follow_seq)
     return settled, out.take(rows)
@@ -245,9 +260,15 @@ def simulate_traced(
 
 def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler: str = "fcfs",
            preemption_policy: str = "fcfs", events_per_chunk: int = 200_000, progress=None,
-           trace_steps: bool = False):
+           trace_steps: bool = False, lora=None):
     """Run to the end in chunks, rerunning with the overflowed buffers grown (growth.py).
-    Returns (final state, dims, result code, ITL log reader)."""
+    `lora`: a lora.LoraConfig, or None. Returns (final state, dims, result code, ITL log reader)."""
+    adapters = None
+    if lora is not None:
+        from blis_jax.engine import lora as lora_mod
+
+        adapters = lora.adapter_index(lora_mod.adapter_labels(requests))
+        params = lora_mod.with_params(params, lora)
     for value, allowed, flag in ((scheduler, ("fcfs", "priority-fcfs", "sjf"), "--scheduler"),
                                  (preemption_policy, ("fcfs", "priority"), "--preemption-policy")):
         if value not in allowed:
@@ -271,7 +292,8 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
             trace_steps=trace_steps,
             max_model_len=int(params.max_model_len),
         )
-        req = request_arrays(requests, dims, sessions)
+        dims = with_lora(dims, lora)
+        req = request_arrays(requests, dims, sessions, adapters)
         inputs = jax.device_put((params, req, model))
         start_program, chunk_program = _driver_programs(dims)
         state = executables.call(start_program, f"engine.start {dims}", inputs)
@@ -290,6 +312,13 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
         return (state, dims, code, itl_reader), code
 
     return run_growing(attempt)
+
+
+def with_lora(dims: EngineDims, lora) -> EngineDims:
+    """`dims` with the LoRA sizes of `lora` (a LoraConfig; None: unchanged)."""
+    from blis_jax.engine.lora import engine_sizes
+
+    return dims if lora is None else dataclasses.replace(dims, **engine_sizes(lora))
 
 
 def in_flight(s, num_requests: int):

@@ -19,7 +19,8 @@ N requests (`num_requests`), W in-flight window (`window`), U closed-loop sessio
 row (`blocks_per_request`), P preempted slots (`preempted_slots`), Q wait-window slots
 (`wait_slots`), E exit log (`exit_log`), K KV blocks (`kv_blocks`), F free ring (`free_ring`),
 G prefix groups (`prefix_groups`), PB blocks per prefix group (`prefix_blocks`), L step log
-(`step_log`), RL run log (`run_log`), T step trace (`trace_log`).
+(`step_log`), RL run log (`run_log`), T step trace (`trace_log`), C LoRA slots (`lora_slots`),
+A LoRA adapters (`lora_adapters`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class RequestArrays(eqx.Module):
     think_time: Int64[Array, " N"]  # completion → next round's arrival (µs)
     follow_timeout: Int64[Array, " N"]  # follow-up deadline relative to its arrival (µs), 0 none
     session_slot: Int32[Array, " N"]  # session of the request, -1 none
+    adapter: Int32[Array, " N"]  # LoRA adapter (registry index, lora.py), -1 the base model
     follow_budget: Int64[Array, ""]  # follow-ups the loop may generate in all (concurrency users), -1 no limit
     valid: Bool[Array, " N"]
 
@@ -176,6 +178,17 @@ class EngineState(eqx.Module):
     step_start: Int64[Array, " T"]
     step_dur: Int64[Array, " T"]
     step_basis: Float64[Array, "T 11"]
+
+    # LoRA resident set (lora.py): C slots, A adapters (both 0 without adapters)
+    lora_slot: Int32[Array, " C"]  # adapter in each slot, -1 empty
+    lora_ready: Bool[Array, " C"]  # loaded (False while its load is in flight)
+    lora_used: Int64[Array, " C"]  # LRU stamp
+    lora_pins: Int32[Array, " A"]  # requests holding each adapter (running, or preempted)
+    lora_loads: Int64[Array, " A"]
+    lora_evictions: Int64[Array, " A"]
+    lora_loading: Int32[Array, ""]  # slot whose load is in flight, -1 none
+    lora_done: Int64[Array, ""]  # its completion time, INF_TIME none
+    lora_tick: Int64[Array, ""]  # LRU clock
 
     # counters
     preemptions: Int64[Array, ""]
@@ -296,6 +309,15 @@ def init_state(
         step_start=jnp.zeros(dims.trace_log, jnp.int64),
         step_dur=jnp.zeros(dims.trace_log, jnp.int64),
         step_basis=jnp.zeros((dims.trace_log, 11), jnp.float64),
+        lora_slot=jnp.full(dims.lora_slots, -1, jnp.int32),
+        lora_ready=jnp.zeros(dims.lora_slots, bool),
+        lora_used=jnp.zeros(dims.lora_slots, jnp.int64),
+        lora_pins=jnp.zeros(dims.lora_adapters, jnp.int32),
+        lora_loads=jnp.zeros(dims.lora_adapters, jnp.int64),
+        lora_evictions=jnp.zeros(dims.lora_adapters, jnp.int64),
+        lora_loading=i32(-1),
+        lora_done=i64(INF_TIME),
+        lora_tick=i64(0),
         preemptions=i64(0),
         kv_hits=i64(0),
         kv_misses=i64(0),

@@ -3,6 +3,7 @@
 from blis_jax.scenario.config import (
     Deployment,
     EngineSettings,
+    LoraSettings,
     ScenarioConfig,
     SpecWorkload,
     SyntheticWorkload,
@@ -13,7 +14,7 @@ from blis_jax.scenario.resolve import ResolvedScenario, ScenarioWarning, resolve
 from blis_jax.scenario.simulate import SimulationResult, simulate
 
 __all__ = [
-    "Deployment", "EngineSettings", "ResolvedScenario", "ScenarioConfig", "ScenarioWarning", "SimulationResult",
+    "Deployment", "EngineSettings", "LoraSettings", "ResolvedScenario", "ScenarioConfig", "ScenarioWarning", "SimulationResult",
     "SpecWorkload", "SyntheticWorkload", "TraceWorkload", "name", "naming", "resolve", "resolve_deployment",
     "simulate",
 ]

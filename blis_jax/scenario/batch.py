@@ -30,6 +30,9 @@ def _lane(index: int, scenario: ResolvedScenario):
                           f"{scenario.cluster.num_instances}, admission {scenario.cluster.admission_policy!r}); "
                           "batches run single-instance scenarios for now: simulate it with `simulate`, or "
                           "use `blis-jax sweep` for cluster grids")
+    if scenario.lora is not None:
+        raise ConfigError(f"simulate_batch: scenario {index} has LoRA adapters, which batches do not simulate yet; "
+                          "simulate it with `simulate`")
     settings = dict(requests=scenario.requests, params=scenario.params, model=scenario.latency_model,
                     block_size=scenario.block_size, scheduler=scenario.scheduler,
                     preemption_policy=scenario.preemption_policy)

@@ -255,6 +255,35 @@ Workload = SyntheticWorkload | SpecWorkload | TraceWorkload
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters (blis-features §3.12). `config`: a LoRA YAML path (top-level `lora:`) or
+    such a mapping, with the adapter registry; the other fields, when set, override its values
+    (BLIS: flags win). `scorer_weight` > 0 adds `lora-affinity` with that weight to weighted
+    routing. Without adapters LoRA is inert."""
+
+    config: str | Path | Mapping | None = None
+    adapter_capacity: int | None = None
+    load_base_latency_us: float | None = None
+    load_bandwidth_bytes_us: float | None = None
+    footprint_bytes_per_rank: float | None = None
+    scorer_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.adapter_capacity is not None:
+            _check_int("lora.adapter_capacity", self.adapter_capacity, 1, limits.MAX_TOKENS,
+                       " resident adapters per instance")
+        for path in ("lora.load_base_latency_us", "lora.load_bandwidth_bytes_us", "lora.footprint_bytes_per_rank",
+                     "lora.scorer_weight"):
+            value = getattr(self, path.split(".")[1])
+            if value is None:
+                continue
+            positive = path in ("lora.load_bandwidth_bytes_us", "lora.footprint_bytes_per_rank")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or (value <= 0 if positive else value < 0):
+                raise ConfigError(f"{name(path)} {value!r}: must be a finite number {'> 0' if positive else '>= 0'}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ScenarioConfig:
     """One simulation, fully described. `ScenarioConfig()` is `blis-jax run` with no flags.
 
@@ -270,11 +299,12 @@ class ScenarioConfig:
     # BLIS's policy bundle: a YAML path or a `blis_jax.config.policy_bundle.PolicyBundle`;
     # applied at resolve with BLIS's precedence (scenario/policy.py). None: no bundle.
     policy_config: str | Path | Any = None
+    lora: LoraSettings = LoraSettings()
 
     def __post_init__(self) -> None:
         for path, value, kind in (("deployment", self.deployment, Deployment),
                                   ("engine", self.engine, EngineSettings),
-                                  ("cluster", self.cluster, ClusterConfig)):
+                                  ("cluster", self.cluster, ClusterConfig), ("lora", self.lora, LoraSettings)):
             if not isinstance(value, kind):
                 raise ConfigError(f"{name(path)}: expected a {kind.__name__}, got {type(value).__name__}")
         if not isinstance(self.workload, (SyntheticWorkload, SpecWorkload, TraceWorkload)):

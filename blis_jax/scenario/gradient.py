@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from blis_jax.errors import ConfigError
+from blis_jax.naming import name
 from blis_jax.scenario.config import ScenarioConfig
 from blis_jax.scenario.resolve import ResolvedScenario, Warn, resolve
 
@@ -92,6 +93,9 @@ def fixed_schedule_metrics(scenario: ScenarioConfig | ResolvedScenario,
     if not resolved.single_instance:
         raise ConfigError("fixed_schedule_metrics: the schedule model covers single-instance scenarios; use "
                           "cluster.num_instances 1 and cluster.admission_policy always-admit")
+    if resolved.lora is not None:
+        raise ConfigError(f"{name('lora.config')}: the schedule model does not include the LoRA step overhead yet; "
+                          "drop the LoRA configuration to differentiate")
     model = resolved.latency_model
     if model.kind != "trained-physics" or model.num_betas < 10:
         why = ("roofline is not linear in coefficients" if model.kind != "trained-physics"

@@ -75,6 +75,7 @@ class ResolvedScenario:
     decode_pool: PoolDeployment | None
     requests: RequestSet | None = None
     sessions: object | None = None          # SessionLinks of closed-loop sessions, else None
+    lora: object | None = None              # engine.lora.LoraConfig, None without adapters
     header: TraceHeader = TraceHeader()
     goodput_targets: Mapping | None = None
     startup: infra.StartupInstances | None = None  # node pools: the placed startup instances
@@ -138,8 +139,18 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
 
     warn = warn or _python_warning
     config = apply_policy_bundle(config, warn)
+    from blis_jax.config.lora_config import resolve_lora
+
     d, e = config.deployment, config.engine
-    cluster = dataclasses.replace(config.cluster, seed=config.effective_seed).validate()
+    lora = resolve_lora(config.lora)
+    cluster = dataclasses.replace(config.cluster, seed=config.effective_seed)
+    if lora is not None and config.lora.scorer_weight > 0 and cluster.routing_policy == "weighted":
+        from blis_jax.cluster.scorers import DEFAULT_PROFILE
+
+        # BLIS: --lora-scorer-weight appends lora-affinity to the weighted profile
+        scorers = cluster.routing_scorers or DEFAULT_PROFILE
+        cluster = dataclasses.replace(cluster, routing_scorers=f"{scorers},lora-affinity:{config.lora.scorer_weight:g}")
+    cluster = cluster.validate()
     if cluster.served_model is None:  # BLIS: every instance serves --model lower-cased (blis-infra §5.1)
         cluster = dataclasses.replace(cluster, served_model=str(d.model).lower())
     kind, alpha, beta = _coefficients(d)
@@ -147,7 +158,7 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
     hardware, tp = _hardware_and_tp(d, arch.hf_id)
     gpu = load_gpu(hardware)
     latency_model = _latency_model(kind, arch, gpu, tp, alpha, beta, f"{name('deployment.latency_model')} {kind}")
-    blocks = _kv_blocks(d, arch, gpu, tp, warn)
+    blocks = _kv_blocks(d, arch, gpu, tp, warn, lora.reservation_gib if lora is not None else 0.0)
     max_model_len = _max_model_len("deployment.max_model_len", d.max_model_len, arch, blocks, d.block_size)
     pools = {pool: _pool_deployment(d, pool, cluster, arch, kind, alpha, beta, gpu, tp, warn)
              for pool in ("prefill", "decode")}
@@ -160,7 +171,7 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
         long_prefill_token_threshold=e.long_prefill_token_threshold, scheduler=e.scheduler,
         preemption_policy=e.preemption_policy, horizon_us=horizon_us, cluster=cluster,
         kv_bytes_per_token=kv_bytes_per_token(arch, tp), prefill_pool=pools["prefill"], decode_pool=pools["decode"],
-        startup=startup)
+        startup=startup, lora=lora)
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -294,11 +305,12 @@ def _hardware_and_tp(d: Deployment, hf_id: str) -> tuple[str, int]:
     return hardware, tp
 
 
-def _kv_blocks(d: Deployment, arch, gpu, tp: int, warn: Warn) -> int:
+def _kv_blocks(d: Deployment, arch, gpu, tp: int, warn: Warn, lora_reserve_gib: float = 0.0) -> int:
     if d.total_kv_blocks is not None:
         return d.total_kv_blocks
     try:
-        return auto_kv_blocks(arch, gpu, tp, gpu_memory_utilization=d.gpu_memory_utilization, block_size=d.block_size)
+        return auto_kv_blocks(arch, gpu, tp, gpu_memory_utilization=d.gpu_memory_utilization, block_size=d.block_size,
+                              lora_reserve_gib=lora_reserve_gib)
     except ConfigError as e:
         # BLIS: an over-committed GPU is fatal; any other auto-sizing failure falls back to
         # the phantom total-kv-blocks default with a warning.

@@ -27,6 +27,7 @@ from blis_jax.scenario.config import (
     SYNTHETIC_KINDS,
     Deployment,
     EngineSettings,
+    LoraSettings,
     ScenarioConfig,
     SpecWorkload,
     SyntheticWorkload,
@@ -171,6 +172,13 @@ def _table() -> tuple[Setting, ...]:
         _s("long-prefill-token-threshold", "engine.long_prefill_token_threshold", int),
         _s("scheduler", "engine.scheduler", str, SCHEDULERS),
         _s("preemption-policy", "engine.preemption_policy", str, PREEMPTION_POLICIES),
+        # LoRA adapters
+        _s("lora-config", "lora.config", str),
+        _s("lora-adapter-capacity", "lora.adapter_capacity", int),
+        _s("lora-load-base-latency-us", "lora.load_base_latency_us", float),
+        _s("lora-load-bandwidth-bytes-us", "lora.load_bandwidth_bytes_us", float),
+        _s("lora-footprint-bytes-per-rank", "lora.footprint_bytes_per_rank", float),
+        _s("lora-scorer-weight", "lora.scorer_weight", float),
     )
 
 
@@ -278,7 +286,7 @@ def apply_settings(settings: Mapping[str, Any], where: str) -> ScenarioConfig:
 def _config(values: Mapping[str, Any], where: str) -> ScenarioConfig:
     by_key = settings_by_key()
     sections: dict[str, dict[str, Any]] = {"": {}, "deployment": {}, "engine": {}, "workload": {}, "cluster": {},
-                                           "cluster.flow_control": {}, "workload.prompt": {}, "workload.output": {}}
+                                           "cluster.flow_control": {}, "workload.prompt": {}, "workload.output": {}, "lora": {}}
     for key, value in values.items():
         head, _, last = by_key[key].field.rpartition(".")
         sections[head][last] = value
@@ -291,7 +299,7 @@ def _config(values: Mapping[str, Any], where: str) -> ScenarioConfig:
     return ScenarioConfig(deployment=Deployment(**sections["deployment"]), engine=EngineSettings(**sections["engine"]),
                           workload=_workload(sections), cluster=ClusterConfig(**sections["cluster"], flow_control=flow),
                           horizon_us=sections[""].get("horizon_us"), seed=sections[""].get("seed"),
-                          policy_config=sections[""].get("policy_config"))
+                          policy_config=sections[""].get("policy_config"), lora=LoraSettings(**sections["lora"]))
 
 
 def _workload(sections: Mapping[str, dict[str, Any]]):

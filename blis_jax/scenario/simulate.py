@@ -104,6 +104,8 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
         settings["progress"] = progress
     if events_per_chunk is not None:
         settings["events_per_chunk"] = events_per_chunk
+    if resolved.lora is not None:
+        settings["lora"] = resolved.lora
     params, model, requests, views = resolved.params, resolved.latency_model, resolved.requests, None
     if resolved.sessions is not None:
         served = resolved.cluster.served_model

@@ -65,6 +65,9 @@ def resolve(settings: Mapping[str, Any], diag, where: str) -> ResolvedScenario:
             resolved = resolve_scenario(config, warn=diag.warn)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
+    if resolved.lora is not None:
+        raise ConfigError(f"{where}.lora-config: LoRA adapters are not supported in sweeps yet; use `blis-jax run` "
+                          "for this scenario")
     if resolved.sessions is not None:
         raise ConfigError(f"{where}.workload-spec: closed-loop sessions (their rounds arrive during the run) are not "
                           "supported in sweeps yet; use `blis-jax run` for this workload")
