@@ -128,6 +128,7 @@ def _table() -> tuple[Setting, ...]:
         _s("snapshot-refresh-interval", "cluster.snapshot_refresh_interval_us", int),
         _s("cache-signal-delay", "cluster.cache_signal_delay_us", int),
         _s("policy-config", "policy_config", str),
+        _s("model-autoscaler-interval-us", "cluster.model_autoscaler_interval_us", float),
         # cluster: flow control
         _s("flow-control", "cluster.flow_control", bool),
         _s("saturation-detector", "cluster.flow_control.saturation_detector", str, saturation),
