@@ -171,6 +171,8 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill pool size: the first N instances (default 0: no disaggregation)")
     g.add_argument("--decode-instances", type=int, default=0, metavar="N",
                    help="decode pool size: the next N instances")
+    g.add_argument("--prefill-decode-instances", type=int, default=0, metavar="N",
+                   help="shared pods serving both roles: the next N instances, in both pools")
     g.add_argument("--pd-decider", choices=PD_DECIDERS, default="never",
                    help="which requests are disaggregated (default never)")
     g.add_argument("--pd-prefix-threshold", type=int, default=16, metavar="TOKENS",

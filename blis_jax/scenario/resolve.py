@@ -132,6 +132,15 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
     warn = warn or _python_warning
     d, e = config.deployment, config.engine
     cluster = dataclasses.replace(config.cluster, seed=config.effective_seed).validate()
+    if cluster.decider_ignored:
+        # BLIS's message; `blis run` then disaggregates between the shared pods all the same,
+        # `blis replay` refuses the configuration
+        text = (f'{name("cluster.pd_decider")}="{cluster.pd_decider}" has no effect because '
+                f'{name("cluster.prefill_instances")}=0 (disaggregation is disabled); set '
+                f'{name("cluster.prefill_instances")} and {name("cluster.decode_instances")} to enable')
+        if isinstance(config.workload, TraceWorkload):
+            raise ConfigError(text)
+        warn(text)
     kind, alpha, beta = _coefficients(d)
     arch = load_model(d.model)  # ids are matched case-insensitively, as BLIS lower-cases them
     hardware, tp = _hardware_and_tp(d, arch.hf_id)

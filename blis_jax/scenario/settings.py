@@ -143,6 +143,7 @@ def _table() -> tuple[Setting, ...]:
         # cluster: prefill/decode disaggregation
         _s("prefill-instances", "cluster.prefill_instances", int),
         _s("decode-instances", "cluster.decode_instances", int),
+        _s("prefill-decode-instances", "cluster.prefill_decode_instances", int),
         _s("pd-decider", "cluster.pd_decider", str, pd),
         _s("pd-prefix-threshold", "cluster.pd_prefix_threshold", int),
         _s("pd-transfer-bandwidth", "cluster.pd_transfer_bandwidth", float),
