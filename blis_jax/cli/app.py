@@ -194,6 +194,10 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                             "from it unless --total-kv-blocks is given")
         g.add_argument(f"--{pool}-tp", type=int, default=None, metavar="TP",
                        help=f"tensor-parallel degree of the {pool} pool (default: --tp)")
+        g.add_argument(f"--{pool}-latency-model", default=None, metavar="BACKEND",
+                       help=f"latency backend of the {pool} pool, trained-physics or roofline (default: "
+                            "--latency-model)" + ("; shared prefill-decode pods use the decode pool's"
+                                                  if pool == "decode" else ""))
         g.add_argument(f"--{pool}-max-model-len", type=int, default=0, metavar="TOKENS",
                        help=f"max-model-len of the {pool} pool (default 0: --max-model-len, else derived "
                             "from the pool's KV capacity)")

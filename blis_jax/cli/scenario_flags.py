@@ -76,7 +76,8 @@ def deployment(args: argparse.Namespace) -> Deployment:
         max_model_len=args.max_model_len,
         prefill_hardware=args.prefill_hardware, prefill_tp=args.prefill_tp,
         prefill_max_model_len=args.prefill_max_model_len, decode_hardware=args.decode_hardware,
-        decode_tp=args.decode_tp, decode_max_model_len=args.decode_max_model_len)
+        decode_tp=args.decode_tp, decode_max_model_len=args.decode_max_model_len,
+        prefill_latency_model=args.prefill_latency_model, decode_latency_model=args.decode_latency_model)
 
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:

@@ -98,7 +98,7 @@ def _table() -> tuple[Setting, ...]:
                                          ("-max", "max", int))]
     pools = [_s(f"{pool}-{name}", f"deployment.{pool}_{name.replace('-', '_')}", typ)
              for pool in ("prefill", "decode")
-             for name, typ in (("hardware", str), ("tp", int), ("max-model-len", int))]
+             for name, typ in (("hardware", str), ("tp", int), ("max-model-len", int), ("latency-model", str))]
     return (
         # workload (run only)
         _s("workload", "workload.kind", str, SYNTHETIC_KINDS),
