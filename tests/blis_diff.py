@@ -136,8 +136,7 @@ NOT_YET_SUPPORTED = {
     "model_autoscaler_interval_us": "the autoscaler (issue #23)",
     "kv_cpu_blocks": "the legacy CPU KV tier (issue #24)",
     "kv_offload_config": "multi-tier KV offload (issue #24)",
-    "prefill_decode_instances": "shared prefill-decode pools (issue #24)",
-    "prefill_latency_model": "per-pool latency models (issue #24)",
+    "encode_instances": "the encode pool (issue #24)",
     "lora_config": "LoRA adapters (issue #24)",
 }
 

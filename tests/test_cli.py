@@ -169,8 +169,14 @@ def test_python_m_smoke(smoke_process):
 def replay_case(case_id: str, tmp_path: Path):
     case_dir = next(BLIS_DIFF.glob(f"{case_id}_*"))
     args = json.loads((case_dir / "case.json").read_text())["blis_args"]
-    mapped = []
-    for flag, value in zip(args[::2], args[1::2]):
+    mapped, i = [], 0
+    while i < len(args):
+        flag = args[i]
+        if i + 1 == len(args) or args[i + 1].startswith("--"):  # a switch (--pd-transfer-contention)
+            mapped.append(flag)
+            i += 1
+            continue
+        value, i = args[i + 1], i + 2
         if flag in ("--trace-header", "--trace-data"):
             value = case_dir / value
         elif flag in ("--results-path", "--metrics-path"):
@@ -214,11 +220,13 @@ def test_run_with_generation_args_prints_blis_run(tmp_path):
 
 def _cluster_cases() -> list[str]:
     """Reference cases whose routing is deterministic (round-robin) or that admit by token
-    bucket: BLIS's output is reproducible byte for byte."""
+    bucket: BLIS's output is reproducible byte for byte. And the shared prefill-decode pool
+    cases (H): their pool scorers break ties with BLIS's Go streams, reproduced too."""
     def selected(c: dict) -> bool:
         pool_scorers = any(k in c["other_flags"] for k in ("prefill_routing_scorers", "decode_routing_scorers"))
         deterministic = c["routing_policy"] == "round-robin" and not pool_scorers
-        return (c["num_instances"] > 1 or c["admission_policy"] != "always-admit") and deterministic
+        shared_pods = "prefill_decode_instances" in c["other_flags"]
+        return (c["num_instances"] > 1 or c["admission_policy"] != "always-admit") and (deterministic or shared_pods)
 
     return _case_ids(selected)
 

@@ -621,8 +621,8 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
     Each iteration: the instances run up to the next cluster event (cluster events go first at
     equal times), then that event runs. With PD pools, a prefill instance's step can start a
     transfer (a cluster event at that step's tick), so the instances first run only up to the
-    earliest prefill-pool event; if that comes first, the prefill pool runs that tick alone
-    and the transfers it starts are processed before anything later.
+    earliest prefill-lane event (`_prefill_lanes`); if that comes first, those lanes run that
+    tick alone and the transfers it starts are processed before anything later.
 
     `model` holds every slot's latency model (leaves with a leading instance axis, see
     deployments.py); `params` the cluster-wide engine settings, whose KV blocks and
