@@ -134,7 +134,7 @@ class ClusterState(eqx.Module):
     # shared pods: the output length each lane serves each request with (0: its prefill
     # sub-request), and the prefill sub-requests routed to each lane whose transfer has not started
     out_len: Int64[Array, "I N"] | None
-    prefill_pending: Int64[Array, " I"]
+    prefill_pending: Int64[Array, " I"] | None
     # routing tie-breaks: BLIS's Go streams `router`, `prefill-router`, `decode-router` (blis-rng §10)
     router: GoStream
     prefill_router: GoStream
@@ -238,7 +238,7 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         gateway=gw.empty(cd.gateway_slots, n, cd.gateway_bands) if cd.flow_control else None,
         exits_read=jnp.zeros(i, jnp.int64),
         out_len=_initial_out_len(cparams, req) if cd.shared_pods else None,
-        prefill_pending=jnp.zeros(i, jnp.int64),
+        prefill_pending=jnp.zeros(i, jnp.int64) if cd.shared_pods else None,
         router=streams[0], prefill_router=streams[1], decode_router=streams[2],
         handled_by=jnp.full(n, -1, jnp.int32),
         rejected=jnp.zeros(n, bool),
@@ -399,13 +399,14 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         decode_target=tr.decode_target.at[jnp.where(disaggregated, r, n)].set(target.astype(jnp.int32), mode="drop"),
         prefill_by=tr.prefill_by.at[jnp.where(disaggregated, r, n)].set(prefill.astype(jnp.int32), mode="drop"),
     )
-    if cs.out_len is not None:  # the prefill instance serves r's prompt only
-        decided = dataclasses.replace(decided, out_len=decided.out_len.at[
-            jnp.where(disaggregated, prefill, cd.num_instances), r].set(0, mode="drop"))
+    if cd.shared_pods:  # the prefill instance serves r's prompt only
+        decided = dataclasses.replace(
+            decided, out_len=decided.out_len.at[jnp.where(disaggregated, prefill, cd.num_instances), r].set(
+                0, mode="drop"),
+            prefill_pending=decided.prefill_pending + (disaggregated & (slots == prefill)))
     decided = dataclasses.replace(
         decided,
         transfers=tr,
-        prefill_pending=decided.prefill_pending + (disaggregated & (slots == prefill)),
         next_request=cs.next_request + on,
         rejected=decided.rejected.at[jnp.where(on & ~admitted, r, n)].set(True, mode="drop"),
         routing_rejected=decided.routing_rejected.at[jnp.where(admitted & (target < 0), r, n)].set(True, mode="drop"),
@@ -488,7 +489,7 @@ def _transfer_done(cs: ClusterState, cd: ClusterDims, req, on):
     mine = on & (jnp.arange(cd.num_instances) == decode)
     instances = jax.vmap(inbox.inject, in_axes=(0, None, None, None, 0))(cs.instances, cd.engine, r, now, mine)
     cs = dataclasses.replace(cs, instances=instances, transfers=xfer.finish(cs.transfers, entry, on))
-    if cs.out_len is not None:  # the decode sub-request (on a shared pod, maybe its prefill's)
+    if cd.shared_pods:  # the decode sub-request (on a shared pod, maybe its prefill's)
         cs = dataclasses.replace(cs, out_len=cs.out_len.at[jnp.where(on, decode, cd.num_instances), r].set(
             req.output_len[r], mode="drop"))
     return cs
@@ -524,9 +525,11 @@ def _start_transfers(cs: ClusterState, cd: ClusterDims, params, cparams: Cluster
         inst = c.instances
         tr, full = xfer.start(c.transfers, r, decode, now, duration, reserved, on, active,
                               (inst.out_sched_delay[i, r], inst.out_ttft[i, r], inst.out_e2e[i, r]))
+        if cd.shared_pods:
+            c = dataclasses.replace(c, prefill_pending=c.prefill_pending.at[
+                jnp.where(on, i, cd.num_instances)].add(-1, mode="drop"))
         return dataclasses.replace(
             c, instances=instances, transfers=tr,
-            prefill_pending=c.prefill_pending.at[jnp.where(on, i, cd.num_instances)].add(-1, mode="drop"),
             result=c.result | jnp.where(full | overrun, results.TRANSFERS_FULL, 0).astype(jnp.int32),
         )
 
