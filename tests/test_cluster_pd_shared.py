@@ -22,7 +22,7 @@ from blis_jax.errors import ConfigError
 from blis_jax.latency import BatchFeatures, build_latency_model, queueing_time_us, step_time_us
 from blis_jax.latency.model import PerSlotKindModel, per_slot_kinds
 from blis_jax.output import PDSummary, format_pd_section
-from blis_jax.scenario import Deployment, ScenarioConfig, SyntheticWorkload, TraceWorkload
+from blis_jax.scenario import ScenarioConfig, SyntheticWorkload, TraceWorkload
 from blis_jax.scenario.resolve import resolve_deployment
 
 

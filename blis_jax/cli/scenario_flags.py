@@ -28,8 +28,9 @@ _FLOW_CONTROL_FIELDS = ("saturation_detector", "dispatch_order", "fairness_polic
 _CLUSTER_FIELDS = ("num_instances", "routing_policy", "routing_scorers", "admission_policy", "token_bucket_capacity",
                    "token_bucket_refill_rate", "tier_shed_threshold", "tier_shed_min_priority",
                    "queue_depth_threshold", "kv_cache_util_threshold", "prefill_instances", "decode_instances",
-                   "prefill_decode_instances", "pd_decider", "pd_prefix_threshold", "pd_transfer_bandwidth", "pd_transfer_base_latency",
-                   "pd_transfer_contention", "prefill_routing_scorers", "decode_routing_scorers")
+                   "prefill_decode_instances", "pd_decider", "pd_prefix_threshold", "pd_transfer_bandwidth",
+                   "pd_transfer_base_latency", "pd_transfer_contention", "prefill_routing_scorers",
+                   "decode_routing_scorers")
 
 
 # Configuration field path → the flag that sets it (`blis_jax.naming`): the scenario settings

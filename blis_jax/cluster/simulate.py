@@ -497,7 +497,8 @@ def _pd_parents(fields: dict, lanes, admit_steps, handled, disaggregated, prefil
     views = InstanceViews(
         outputs=tuple(views), disaggregated=disaggregated, dropped_at_decode=int((disaggregated & dropped).sum()),
         transfer_us=durations[durations >= 0],
-        prefill_completed=int(completed[prefill_role[:k]].sum()), decode_completed=int(completed[decode_role[:k]].sum()),
+        prefill_completed=int(completed[prefill_role[:k]].sum()),
+        decode_completed=int(completed[decode_role[:k]].sum()),
         requests=tuple(view_requests), contention=bool(contention),
         transfers_in_flight=np.asarray(tr.active_at_start[:n])[durations >= 0])
     return f, views
