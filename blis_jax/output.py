@@ -205,16 +205,19 @@ def render_stdout(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcf
                   thrashing_rate: float = 0.0,
                   goodput_targets: Mapping[str, Mapping[str, float]] | None = None,
                   extra_sections: Sequence[str] = (),
-                  instance_outputs: Sequence[SimOutput] | None = None) -> str:
+                  instance_outputs: Sequence[SimOutput] | None = None,
+                  instance_requests: Sequence | None = None) -> str:
     """The `run` / `replay` stdout: per-instance blocks (more than one instance), the cluster
     block, then the Anomaly, KV-cache, Per-SLO, Per-Model, Per-Tenant and Session sections when they
     apply, then `extra_sections` (already formatted, e.g. PD metrics, produced elsewhere).
     `instance_outputs[k]` is what instance k itself served, when that differs from the
-    request-level `out` (PD sub-requests)."""
+    request-level `out` (PD sub-requests), with its own rows `instance_requests[k]` where not
+    None (a pod that served a request twice)."""
     parts = []
     if out.num_instances > 1:
         views = instance_outputs if instance_outputs is not None else [out] * out.num_instances
-        parts += [format_metrics_block(metrics_output(views[k], requests, k)) for k in range(out.num_instances)]
+        rows = [(instance_requests[k] if instance_requests else None) or requests for k in range(out.num_instances)]
+        parts += [format_metrics_block(metrics_output(views[k], rows[k], k)) for k in range(out.num_instances)]
     parts.append(format_metrics_block(metrics_output(out, requests, goodput_targets=goodput_targets)))
     parts.append(format_anomaly_section(anomaly_counters(
         out, requests, scheduler=scheduler, hol_blocking_events=hol_blocking_events,
@@ -269,6 +272,8 @@ class PDSummary:
     load_imbalance: float  # max / min of the two throughputs (1 = balanced pools)
     parent_ttft_us: np.ndarray
     transfer_us: np.ndarray
+    # with transfer contention: transfers in flight at each start, itself included (else None)
+    transfers_in_flight: np.ndarray | None = None
 
 
 def pd_summary(out: SimOutput, views) -> PDSummary:
@@ -280,7 +285,8 @@ def pd_summary(out: SimOutput, views) -> PDSummary:
     return PDSummary(disaggregated=int(views.disaggregated.sum()), dropped_at_decode=views.dropped_at_decode,
                      prefill_throughput=prefill, decode_throughput=decode,
                      load_imbalance=high / low if low > 0 else 0.0, parent_ttft_us=ttft,
-                     transfer_us=np.asarray(views.transfer_us))
+                     transfer_us=np.asarray(views.transfer_us),
+                     transfers_in_flight=np.asarray(views.transfers_in_flight) if views.contention else None)
 
 
 def pd_trace_outcomes(out: SimOutput, views):
@@ -300,6 +306,13 @@ def format_pd_section(s: PDSummary) -> str:
         pct = lambda p: float(np.interp(p / 100 * (v.size - 1), np.arange(v.size), v))  # noqa: E731
         return f"mean={v.mean():.1f} p50={pct(50):.1f} p95={pct(95):.1f} p99={pct(99):.1f}"
 
+    if s.disaggregated == 0:  # BLIS prints the section only when some request was disaggregated
+        return ""
+    queue = ""
+    if s.transfers_in_flight is not None:
+        depth = s.transfers_in_flight
+        queue = (f"Peak Concurrent Transfers: {int(depth.max()) if depth.size else 0}\n"
+                 f"Mean Transfer Queue Depth: {float(depth.mean()) if depth.size else 0.0:.4f}\n")
     return ("=== PD Metrics ===\n"
             f"Disaggregated Requests: {s.disaggregated}\n"
             f"Dropped at Decode KV: {s.dropped_at_decode}\n"
@@ -307,4 +320,4 @@ def format_pd_section(s: PDSummary) -> str:
             f"Decode Throughput: {s.decode_throughput:.4f} sub-req/s\n"
             f"Load Imbalance Ratio: {s.load_imbalance:.4f}\n"
             f"Parent TTFT (us): {stats(s.parent_ttft_us)}\n"
-            f"KV Transfer Duration (us): {stats(s.transfer_us)}\n")
+            f"KV Transfer Duration (us): {stats(s.transfer_us)}\n" + queue)

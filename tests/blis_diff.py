@@ -134,8 +134,7 @@ def load_case(case_id: str) -> BlisDiffCase:
 NOT_YET_SUPPORTED = {
     "kv_cpu_blocks": "the legacy CPU KV tier (issue #24)",
     "kv_offload_config": "multi-tier KV offload (issue #24)",
-    "prefill_decode_instances": "shared prefill-decode pools (issue #24)",
-    "prefill_latency_model": "per-pool latency models (issue #24)",
+    "encode_instances": "the encode pool (issue #24)",
 }
 
 

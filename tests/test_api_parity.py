@@ -29,7 +29,11 @@ CLUSTER_FIELDS = ("num_instances", "routing_policy", "routing_scorers", "admissi
                   "routing_latency_us")
 # case.json `other_flags` that are cluster settings of the replay (categories A-E)
 OTHER_CLUSTER_FLAGS = ("token_bucket_capacity", "token_bucket_refill_rate", "prefill_instances",
-                       "decode_instances", "pd_decider", "prefill_routing_scorers", "decode_routing_scorers")
+                       "decode_instances", "pd_decider", "prefill_routing_scorers", "decode_routing_scorers",
+                       "prefill_decode_instances", "pd_prefix_threshold", "pd_transfer_contention",
+                       "pd_transfer_bandwidth")
+# ... and deployment settings (per-pool overrides)
+OTHER_DEPLOYMENT_FLAGS = ("prefill_latency_model", "decode_latency_model", "prefill_tp", "decode_tp")
 
 
 def case_config(case_dir) -> ScenarioConfig:
@@ -43,14 +47,16 @@ def case_config(case_dir) -> ScenarioConfig:
                         adapter_capacity=other.pop("lora_adapter_capacity", None)) if "lora_config" in other \
         else LoraSettings()
     other.pop("lora_scorer_weight", None)
-    unknown = set(other) - set(OTHER_CLUSTER_FLAGS)
+    unknown = set(other) - set(OTHER_CLUSTER_FLAGS) - set(OTHER_DEPLOYMENT_FLAGS)
     assert not unknown, f"case {case['id']}: other_flags {unknown} not mapped"
+    pools = {k: other[k] for k in OTHER_DEPLOYMENT_FLAGS if k in other}
+    other = {k: v for k, v in other.items() if k in OTHER_CLUSTER_FLAGS}
     return ScenarioConfig(
         deployment=Deployment(model=case["model"], hardware=case["hardware"], tp=case["tp"],
                               latency_model=case["latency_model"],
                               total_kv_blocks=case["total_kv_blocks"] if explicit_blocks else None,
                               block_size=case["block_size"], gpu_memory_utilization=case["gpu_memory_utilization"],
-                              max_model_len=case["max_model_len"] if explicit_len else 0),
+                              max_model_len=case["max_model_len"] if explicit_len else 0, **pools),
         engine=EngineSettings(max_num_seqs=case["max_num_seqs"], max_num_batched_tokens=case["max_num_batched_tokens"],
                               long_prefill_token_threshold=case["long_prefill_token_threshold"],
                               scheduler=case["scheduler"], preemption_policy=case["preemption_policy"]),

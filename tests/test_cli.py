@@ -169,11 +169,17 @@ def test_python_m_smoke(smoke_process):
 def replay_case(case_id: str, tmp_path: Path):
     case_dir = next(BLIS_DIFF.glob(f"{case_id}_*"))
     args = json.loads((case_dir / "case.json").read_text())["blis_args"]
-    mapped = []
-    for flag, value in zip(args[::2], args[1::2]):
+    mapped, i = [], 0
+    while i < len(args):
+        flag = args[i]
+        if i + 1 == len(args) or args[i + 1].startswith("--"):  # a switch (--pd-transfer-contention)
+            mapped.append(flag)
+            i += 1
+            continue
+        value, i = args[i + 1], i + 2
         if flag in ("--results-path", "--metrics-path"):
             value = tmp_path / value
-        elif flag in ("--trace-header", "--trace-data", "--lora-config"):   # files of the case folder
+        elif flag in ("--trace-header", "--trace-data", "--lora-config", "--policy-config"):   # the case's files
             value = case_dir / value
         mapped += [flag, value]
     rc, out, err = cli("replay", *mapped)
@@ -215,12 +221,14 @@ def test_run_with_generation_args_prints_blis_run(tmp_path):
 def _cluster_cases() -> list[str]:
     """Reference cases whose routing is deterministic (round-robin) or that admit by token
     bucket: BLIS's output is reproducible byte for byte. Also the weighted LoRA case (J02): its
-    lora-affinity routing breaks ties with BLIS's router stream, reproduced exactly too."""
+    lora-affinity routing breaks ties with BLIS's router stream, reproduced exactly too; and the
+    shared prefill-decode pool cases (H): their pool scorers break ties with BLIS's Go streams."""
     def selected(c: dict) -> bool:
         pool_scorers = any(k in c["other_flags"] for k in ("prefill_routing_scorers", "decode_routing_scorers"))
         lora_weighted = c["routing_policy"] == "weighted" and "lora_config" in c["other_flags"]
         deterministic = (c["routing_policy"] == "round-robin" or lora_weighted) and not pool_scorers
-        return (c["num_instances"] > 1 or c["admission_policy"] != "always-admit") and deterministic
+        shared_pods = "prefill_decode_instances" in c["other_flags"]
+        return (c["num_instances"] > 1 or c["admission_policy"] != "always-admit") and (deterministic or shared_pods)
 
     return _case_ids(selected)
 

@@ -178,6 +178,8 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill pool size: the first N instances (default 0: no disaggregation)")
     g.add_argument("--decode-instances", type=int, default=0, metavar="N",
                    help="decode pool size: the next N instances")
+    g.add_argument("--prefill-decode-instances", type=int, default=0, metavar="N",
+                   help="shared pods serving both roles: the next N instances, in both pools")
     g.add_argument("--pd-decider", choices=PD_DECIDERS, default="never",
                    help="which requests are disaggregated (default never)")
     g.add_argument("--pd-prefix-threshold", type=int, default=16, metavar="TOKENS",
@@ -199,6 +201,10 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                             "from it unless --total-kv-blocks is given")
         g.add_argument(f"--{pool}-tp", type=int, default=None, metavar="TP",
                        help=f"tensor-parallel degree of the {pool} pool (default: --tp)")
+        g.add_argument(f"--{pool}-latency-model", default=None, metavar="BACKEND",
+                       help=f"latency backend of the {pool} pool, trained-physics or roofline (default: "
+                            "--latency-model)" + ("; shared prefill-decode pods use the decode pool's"
+                                                  if pool == "decode" else ""))
         g.add_argument(f"--{pool}-max-model-len", type=int, default=0, metavar="TOKENS",
                        help=f"max-model-len of the {pool} pool (default 0: --max-model-len, else derived "
                             "from the pool's KV capacity)")

@@ -29,8 +29,9 @@ _FLOW_CONTROL_FIELDS = ("saturation_detector", "dispatch_order", "fairness_polic
 _CLUSTER_FIELDS = ("num_instances", "routing_policy", "routing_scorers", "admission_policy", "token_bucket_capacity",
                    "token_bucket_refill_rate", "tier_shed_threshold", "tier_shed_min_priority",
                    "queue_depth_threshold", "kv_cache_util_threshold", "prefill_instances", "decode_instances",
-                   "pd_decider", "pd_prefix_threshold", "pd_transfer_bandwidth", "pd_transfer_base_latency",
-                   "pd_transfer_contention", "prefill_routing_scorers", "decode_routing_scorers")
+                   "prefill_decode_instances", "pd_decider", "pd_prefix_threshold", "pd_transfer_bandwidth",
+                   "pd_transfer_base_latency", "pd_transfer_contention", "prefill_routing_scorers",
+                   "decode_routing_scorers")
 
 
 # Configuration field path → the flag that sets it (`blis_jax.naming`): the scenario settings
@@ -86,7 +87,8 @@ def deployment(args: argparse.Namespace) -> Deployment:
         max_model_len=args.max_model_len,
         prefill_hardware=args.prefill_hardware, prefill_tp=args.prefill_tp,
         prefill_max_model_len=args.prefill_max_model_len, decode_hardware=args.decode_hardware,
-        decode_tp=args.decode_tp, decode_max_model_len=args.decode_max_model_len)
+        decode_tp=args.decode_tp, decode_max_model_len=args.decode_max_model_len,
+        prefill_latency_model=args.prefill_latency_model, decode_latency_model=args.decode_latency_model)
 
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:

@@ -50,7 +50,9 @@ Pipeline for one request (blis-features §3.2), cluster events first at equal ti
     PD (decode-first): target over the decode-role mask, pd.disaggregate(cfg, input_len,
         cached_prefix_blocks[target], block_size); if so, a prefill target over the prefill-role
         mask; at prefill completion, a transfer of pd.transfer_time_us(...) µs, then the decode
-        sub-request is enqueued on the decode target.
+        sub-request is enqueued on the decode target. Shared pods (`--prefill-decode-instances`)
+        are in both masks; each lane's output length per request is then loop state (0 for a
+        prefill sub-request), so one pod can prefill and later decode the same request.
 
 Float parity: XLA on CPU turns `x / c` (c a constant or a broadcast scalar, also one that
 vmap broadcasts) into `x * (1/c)`, and fuses `a * b + c` into one FMA; both change the last

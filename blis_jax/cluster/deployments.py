@@ -23,7 +23,7 @@ import numpy as np
 from jaxtyping import Array, Int64
 
 from blis_jax.engine.params import EngineParams
-from blis_jax.errors import ConfigError
+from blis_jax.latency.model import per_slot_kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ def stack_deployments(
     decode_role = np.asarray(decode_role, bool)
     choice = np.zeros(slots, np.int64)  # 0 base, 1 prefill pool, 2 decode pool
     if prefill is not None:
-        choice[prefill_role] = 1
+        choice[prefill_role & ~decode_role] = 1
     if decode is not None:
         choice[decode_role] = 2
     options = [(model, int(params.total_kv_blocks), int(params.max_model_len))]
@@ -65,11 +65,10 @@ def stack_deployments(
         if pool is None:
             options.append(options[0])
             continue
-        if jax.tree.structure(pool.latency_model) != jax.tree.structure(model):
-            raise ConfigError(f"the {name} pool's latency model has another structure than the cluster's "
-                              "(latency backend, beta count or MoE family); per-pool hardware and TP must "
-                              "keep the same latency backend and coefficients")
         options.append((pool.latency_model, pool.total_kv_blocks, pool.max_model_len))
+    # pools on another latency backend (--prefill-latency-model ...): one structure per slot
+    models = per_slot_kinds([m for m, _, _ in options])
+    options = [(m, *rest) for m, (_, *rest) in zip(models, options)]
 
     def per_slot(leaves):
         return jnp.stack([leaves[c] for c in choice])

@@ -65,6 +65,7 @@ class ClusterDims:
     prefill_scorers: tuple[str, ...] = ()  # pool scorer names (weighted pool routing); () = the policy
     decode_scorers: tuple[str, ...] = ()
     transfers: int = 1  # KV transfers in flight at once (pd)
+    shared_pods: bool = False  # pd with pods in both pools: each lane's output lengths are state
     admission_reads_state: bool = False  # tier-shed / gaie-legacy: admissions are events of their own
     gateway_slots: int = 0  # flow control: gateway queue slots (0 = no flow control)
     gateway_bands: int = 1  # priority bands (distinct priorities of the workload)
@@ -153,6 +154,10 @@ class ClusterState(eqx.Module):
     transfers: xfer.Transfers
     gateway: gw.GatewayState | None  # flow control: the gateway queue (None without)
     exits_read: Int64[Array, " I"]  # pd: completions of each instance turned into transfers
+    # shared pods: the output length each lane serves each request with (0: its prefill
+    # sub-request), and the prefill sub-requests routed to each lane whose transfer has not started
+    out_len: Int64[Array, "I N"] | None
+    prefill_pending: Int64[Array, " I"] | None
     # routing tie-breaks: BLIS's Go streams `router`, `prefill-router`, `decode-router` (blis-rng §10)
     router: GoStream
     prefill_router: GoStream
@@ -269,6 +274,8 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         transfers=xfer.empty(cd.transfers, n),
         gateway=gw.empty(cd.gateway_slots, n, cd.gateway_bands) if cd.flow_control else None,
         exits_read=jnp.zeros(i, jnp.int64),
+        out_len=_initial_out_len(cparams, req) if cd.shared_pods else None,
+        prefill_pending=jnp.zeros(i, jnp.int64) if cd.shared_pods else None,
         router=streams[0], prefill_router=streams[1], decode_router=streams[2],
         handled_by=jnp.full(n, -1, jnp.int32),
         rejected=jnp.zeros(n, bool),
@@ -290,8 +297,19 @@ def _init_snapshot(dims: EngineDims, i: int, interval_us) -> signals.Snapshot:
     return snapshot
 
 
-def lane_output_len(cparams: ClusterParams, req: RequestArrays) -> Int64[Array, "I N"]:
-    """Output lengths as each instance sees them: a prefill-pool instance serves prompts only."""
+def _initial_out_len(cparams: ClusterParams, req: RequestArrays) -> Int64[Array, "I N"]:
+    """A prefill-only instance serves prompts only; any other serves the whole request until
+    routing makes it some request's prefill instance."""
+    prefill_only = cparams.prefill_role & ~cparams.decode_role
+    return jnp.where(prefill_only[:, None], 0, req.output_len[None, :])
+
+
+def lane_output_len(cparams: ClusterParams, req: RequestArrays, cs: ClusterState | None = None
+                    ) -> Int64[Array, "I N"]:
+    """Output lengths as each instance sees them: a prefill sub-request has none. Without
+    shared pods, a request's role on an instance follows from the instance's pool alone."""
+    if cs is not None and cs.out_len is not None:
+        return cs.out_len
     return jnp.where(cparams.prefill_role[:, None], 0, req.output_len[None, :])
 
 
@@ -465,6 +483,11 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         decode_target=tr.decode_target.at[jnp.where(disaggregated, r, n)].set(target.astype(jnp.int32), mode="drop"),
         prefill_by=tr.prefill_by.at[jnp.where(disaggregated, r, n)].set(prefill.astype(jnp.int32), mode="drop"),
     )
+    if cd.shared_pods:  # the prefill instance serves r's prompt only
+        decided = dataclasses.replace(
+            decided, out_len=decided.out_len.at[jnp.where(disaggregated, prefill, cd.num_instances), r].set(
+                0, mode="drop"),
+            prefill_pending=decided.prefill_pending + (disaggregated & (slots == prefill)))
     decided = dataclasses.replace(
         decided,
         transfers=tr,
@@ -545,13 +568,17 @@ def _arrival_event(cs: ClusterState, cd: ClusterDims, params: EngineParams, cpar
     return dataclasses.replace(cs, instances=instances)
 
 
-def _transfer_done(cs: ClusterState, cd: ClusterDims, on):
+def _transfer_done(cs: ClusterState, cd: ClusterDims, req, on):
     """KVTransferCompleted: the decode sub-request enqueues on its decode instance now."""
     entry, now = xfer.next_done(cs.transfers)
     r, decode = cs.transfers.request[entry], cs.transfers.decode[entry]
     mine = on & (jnp.arange(cd.num_instances) == decode)
     instances = jax.vmap(inbox.inject, in_axes=(0, None, None, None, 0))(cs.instances, cd.engine, r, now, mine)
-    return dataclasses.replace(cs, instances=instances, transfers=xfer.finish(cs.transfers, entry, on))
+    cs = dataclasses.replace(cs, instances=instances, transfers=xfer.finish(cs.transfers, entry, on))
+    if cd.shared_pods:  # the decode sub-request (on a shared pod, maybe its prefill's)
+        cs = dataclasses.replace(cs, out_len=cs.out_len.at[jnp.where(on, decode, cd.num_instances), r].set(
+            req.output_len[r], mode="drop"))
+    return cs
 
 
 def _start_transfers(cs: ClusterState, cd: ClusterDims, params, cparams: ClusterParams, req, now, on):
@@ -568,6 +595,11 @@ def _start_transfers(cs: ClusterState, cd: ClusterDims, params, cparams: Cluster
         _, cparams, req, now, _ = ops
         i = jnp.argmax(pending(c))
         r = c.instances.exit_req[i, c.exits_read[i] % e]
+        overrun = on & (c.instances.exit_count[i] - c.exits_read[i] > e)
+        c = dataclasses.replace(c, exits_read=c.exits_read.at[jnp.where(on, i, cd.num_instances)].add(1, mode="drop"))
+        if cd.shared_pods:  # a shared pod also completes whole requests (with no output: logged too)
+            tr = c.transfers
+            on = on & (tr.prefill_by[r] == i) & (tr.start_us[r] < 0) & ~tr.dropped[r]
         decode = c.transfers.decode_target[r]
         lane = on & (jnp.arange(cd.num_instances) == decode)
         instances, reserved = jax.vmap(transfer.reserve, in_axes=(0, None, None, None, 0, 0))(
@@ -575,11 +607,15 @@ def _start_transfers(cs: ClusterState, cd: ClusterDims, params, cparams: Cluster
         reserved = jnp.any(reserved & lane)
         duration = pd_rules.transfer_time_us(cparams.pd, req.input_len[r], cd.engine.block_size,
                                              cparams.kv_bytes_per_token, xfer.in_flight(c.transfers) + 1)
-        tr, full = xfer.start(c.transfers, r, decode, now, duration, reserved, on)
-        overrun = on & (c.instances.exit_count[i] - c.exits_read[i] > e)
+        active = xfer.in_flight(c.transfers) + 1
+        inst = c.instances
+        tr, full = xfer.start(c.transfers, r, decode, now, duration, reserved, on, active,
+                              (inst.out_sched_delay[i, r], inst.out_ttft[i, r], inst.out_e2e[i, r]))
+        if cd.shared_pods:
+            c = dataclasses.replace(c, prefill_pending=c.prefill_pending.at[
+                jnp.where(on, i, cd.num_instances)].add(-1, mode="drop"))
         return dataclasses.replace(
             c, instances=instances, transfers=tr,
-            exits_read=c.exits_read.at[jnp.where(on, i, cd.num_instances)].add(1, mode="drop"),
             result=c.result | jnp.where(full | overrun, results.TRANSFERS_FULL, 0).astype(jnp.int32),
         )
 
@@ -606,14 +642,23 @@ def _caught_up(cs: ClusterState, params, req, out_len, until):
     return jnp.all(jax.vmap(one)(cs.instances, out_len, jnp.broadcast_to(until, out_len.shape[:1])))
 
 
-def _next_prefill_time(cs: ClusterState, cparams: ClusterParams, params, req, out_len):
-    """Earliest event of a prefill-pool instance: the earliest moment a transfer can start."""
+def _prefill_lanes(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams) -> Bool[Array, " I"]:
+    """Instances whose next event may complete a prefill sub-request: the prefill-only ones,
+    and shared pods holding prefill sub-requests whose transfer has not started (a shared pod
+    without one runs freely between cluster events)."""
+    if not cd.shared_pods:
+        return cparams.prefill_role
+    return (cparams.prefill_role & ~cparams.decode_role) | (cparams.prefill_role & (cs.prefill_pending > 0))
+
+
+def _next_prefill_time(cs: ClusterState, cparams: ClusterParams, params, req, out_len, lanes):
+    """Earliest event of a prefill lane (`_prefill_lanes`): the earliest moment a transfer can start."""
 
     def one(state, output_len):
         return events.next_event(state, dataclasses.replace(req, output_len=output_len))[1]
 
     t = jax.vmap(one)(cs.instances, out_len)
-    t = jnp.min(jnp.where(cparams.prefill_role, t, INF_TIME))
+    t = jnp.min(jnp.where(lanes, t, INF_TIME))
     return jnp.where(t <= params.horizon_us, t, INF_TIME)
 
 
@@ -662,7 +707,7 @@ def overflowed(cs: ClusterState):
 def finished(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays, out_len=None):
     """Nothing left before the horizon (or a buffer overflowed). `out_len`: the loop's
     `lane_output_len`, passed in so the loop does not rebuild an [I, N] array per iteration."""
-    out_len = lane_output_len(cparams, req) if out_len is None else out_len
+    out_len = lane_output_len(cparams, req, cs) if out_len is None else out_len
     return (((next_cluster_time(cs, cparams, params, req) >= INF_TIME)
              & _caught_up(cs, params, req, out_len, jnp.int64(INF_TIME))) | overflowed(cs))
 
@@ -674,22 +719,24 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
     Each iteration: the instances run up to the next cluster event (cluster events go first at
     equal times), then that event runs. With PD pools, a prefill instance's step can start a
     transfer (a cluster event at that step's tick), so the instances first run only up to the
-    earliest prefill-pool event; if that comes first, the prefill pool runs that tick alone
-    and the transfers it starts are processed before anything later.
+    earliest prefill-lane event (`_prefill_lanes`); if that comes first, those lanes run that
+    tick alone and the transfers it starts are processed before anything later.
 
     `model` holds every slot's latency model (leaves with a leading instance axis, see
     deployments.py); `params` the cluster-wide engine settings, whose KV blocks and
     max-model-len each slot takes from `cparams` instead.
     """
-    out_len = lane_output_len(cparams, req)
+    static_out_len = None if cs.out_len is not None else lane_output_len(cparams, req)
     lparams = deployments.lane_params(params, cparams.total_kv_blocks, cparams.max_model_len)
 
     def cond(c, ops):
         params, _, cparams, req, out_len, _, limit = ops
+        out_len = lane_output_len(cparams, req, c) if out_len is None else out_len
         return ~finished(c, cparams, params, req, out_len) & jnp.all(c.instances.events < limit)
 
     def body(c, ops, on):
         params, lparams, cparams, req, out_len, model, limit = ops
+        out_len = lane_output_len(cparams, req, c) if out_len is None else out_len
         t_cluster = _routing_or_transfer_time(c, cparams, params, req)
         # InstanceLoaded events (past the horizon: never executed)
         t_loaded = lifecycle.next_loaded(c.lifecycle)
@@ -706,11 +753,12 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
             # per iteration (routing pops only the dispatched ring): read it once
             r_enqueue, t_enqueue, expiry_slot, t_expiry, t_tick = gate = gateway_events(c, cparams, params, req)
             t_cluster = jnp.minimum(t_cluster, _gateway_time(gate))
-        t_prefill = _next_prefill_time(c, cparams, params, req, out_len) if cd.pd else INF_TIME
-        # A prefill tick first: the prefill pool runs that tick (its earlier events are none),
+        lanes = _prefill_lanes(c, cd, cparams) if cd.pd else None
+        t_prefill = _next_prefill_time(c, cparams, params, req, out_len, lanes) if cd.pd else INF_TIME
+        # A prefill tick first: the prefill lanes run that tick (their earlier events are none),
         # the others only up to it; else everyone runs up to the cluster event.
         prefill_tick = t_prefill < t_cluster
-        until = jnp.minimum(t_cluster, t_prefill) + (prefill_tick & cparams.prefill_role)
+        until = jnp.minimum(t_cluster, t_prefill) + (prefill_tick & (lanes if cd.pd else cparams.prefill_role))
         c = _instances_until(c, cd, lparams, req, out_len, model, jnp.full(cd.num_instances, jnp.where(on, limit, 0)),
                              until)
         caught = on & _caught_up(c, params, req, out_len, until) & ~overflowed(c)
@@ -746,7 +794,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.pd:
             _, t_done = xfer.next_done(c.transfers)
             is_done = t_done <= t_cluster
-            c = _transfer_done(c, cd, go & is_done)
+            c = _transfer_done(c, cd, req, go & is_done)
             go = go & ~is_done
         if cd.flow_control:
             is_dispatch = t_tick <= t_cluster
@@ -759,7 +807,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
             c = _scale_actuation(c, cd, cparams, t_act, go & (t_act <= t_cluster))
         return c
 
-    return masked_while(cond, body, cs, (params, lparams, cparams, req, out_len, model, event_limit))
+    return masked_while(cond, body, cs, (params, lparams, cparams, req, static_out_len, model, event_limit))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

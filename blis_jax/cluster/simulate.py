@@ -64,9 +64,11 @@ class ClusterConfig:
     seed: int = 42
     instance_slots: int | None = None  # compiled slots (>= num_instances); None = num_instances
     # prefill/decode disaggregation (blis-features §3.10): the first `prefill_instances` slots
-    # form the prefill pool, the next `decode_instances` the decode pool
+    # are prefill-only, the next `decode_instances` decode-only, the next
+    # `prefill_decode_instances` shared (in both pools)
     prefill_instances: int = 0
     decode_instances: int = 0
+    prefill_decode_instances: int = 0
     pd_decider: str = "never"
     pd_prefix_threshold: int = 16
     pd_transfer_bandwidth: float = 25.0  # GB/s
@@ -114,11 +116,11 @@ class ClusterConfig:
             raise ConfigError("the autoscaler with PD pools is not simulated (BLIS's autoscaler creates instances "
                               "without a PD role); drop the autoscaler or the PD pools")
         if self.pd:
-            pd_rules.pool_masks(self.slots, prefill=self.prefill_instances, decode=self.decode_instances,
-                                num_instances=n)
-            if self.prefill_instances == 0 or self.decode_instances == 0:
+            self.pool_masks()
+            if self.prefill_decode_instances == 0 and (self.prefill_instances == 0 or self.decode_instances == 0):
                 raise ConfigError("--prefill-instances and --decode-instances: disaggregation needs both pools "
-                                  f"(got {self.prefill_instances} prefill, {self.decode_instances} decode)")
+                                  f"(got {self.prefill_instances} prefill, {self.decode_instances} decode); "
+                                  "or set --prefill-decode-instances for pods that serve both roles")
             self.pd_config()
             for flag, text in (("--prefill-routing-scorers", self.prefill_routing_scorers),
                                ("--decode-routing-scorers", self.decode_routing_scorers)):
@@ -126,7 +128,7 @@ class ClusterConfig:
                     sc.parse_profile(text, flag)
         elif self.prefill_routing_scorers or self.decode_routing_scorers or self.pd_decider != "never":
             raise ConfigError("--pd-decider / --prefill-routing-scorers / --decode-routing-scorers need PD pools: "
-                              "set --prefill-instances and --decode-instances")
+                              "set --prefill-instances and --decode-instances (or --prefill-decode-instances)")
         infra.check_pools(self.node_pools)
         if not isinstance(self.instance_lifecycle, infra.InstanceLifecycle):
             raise ConfigError("instance_lifecycle: expected an InstanceLifecycle")
@@ -150,7 +152,19 @@ class ClusterConfig:
 
     @property
     def pd(self) -> bool:
-        return bool(self.prefill_instances or self.decode_instances)
+        return bool(self.prefill_instances or self.decode_instances or self.prefill_decode_instances)
+
+    @property
+    def decider_ignored(self) -> bool:
+        """BLIS's "--pd-decider has no effect because --prefill-instances=0" case (shared pods
+        only): `blis run` warns and still disaggregates between shared pods; `blis replay`
+        refuses it."""
+        return self.pd and self.prefill_instances == 0 and self.pd_decider != "never"
+
+    def pool_masks(self):
+        """(prefill-role, decode-role) masks over the slots (shared pods in both)."""
+        return pd_rules.pool_masks(self.slots, prefill=self.prefill_instances, decode=self.decode_instances,
+                                   shared=self.prefill_decode_instances, num_instances=self.num_instances)[:2]
 
     def pd_config(self):
         return pd_rules.make_pd_config(self.pd_decider, prefix_threshold=self.pd_prefix_threshold,
@@ -185,6 +199,17 @@ class ClusterConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ViewRows:
+    """The rows of an instance view with extra sub-request rows (`InstanceViews.requests`): an
+    instance's metrics block reads no request field, only that the rows line up."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
+@dataclasses.dataclass(frozen=True)
 class InstanceViews:
     """What each instance itself served, for its own metrics block: with PD pools, a prefill
     instance served prompt-only sub-requests and a decode instance the decode sub-requests,
@@ -194,8 +219,14 @@ class InstanceViews:
     disaggregated: np.ndarray  # per request
     dropped_at_decode: int
     transfer_us: np.ndarray  # durations of the transfers that started
-    prefill_completed: int
-    decode_completed: int
+    prefill_completed: int  # completions (sub-requests and whole requests) on prefill-pool instances
+    decode_completed: int  # ... on decode-pool instances (a shared pod's count in both)
+    # outputs[k]'s requests when they differ from the run's: a shared pod that prefilled and
+    # then decoded a request served it twice (one extra row for its prefill sub-request)
+    requests: tuple[ViewRows | None, ...] = ()
+    contention: bool = False  # --pd-transfer-contention: the section reports the transfer queue
+    transfers_in_flight: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    #   transfers active at each start, itself included
 
 
 def simulate_cluster(requests: RequestSet, params: EngineParams, model, cluster: ClusterConfig,
@@ -272,10 +303,7 @@ def _simulate_cluster_views(
         params = lora_mod.with_params(params, lora)
     kv_blocks = deploy.largest_kv_blocks(params, prefill_pool, decode_pool)
     slot_ids = jnp.arange(cluster.slots)
-    prefill_role, decode_role = (pd_rules.pool_masks(cluster.slots, prefill=cluster.prefill_instances,
-                                                     decode=cluster.decode_instances,
-                                                     num_instances=cluster.num_instances)[:2]
-                                 if cluster.pd else (slot_ids < 0, slot_ids >= 0))
+    prefill_role, decode_role = cluster.pool_masks() if cluster.pd else (slot_ids < 0, slot_ids >= 0)
     deployed = deploy.stack_deployments(model, params, cluster.slots, prefill_role, decode_role,
                                         prefill=prefill_pool, decode=decode_pool)
     exists, lifecycle0 = slot_ids < cluster.num_instances, None
@@ -301,6 +329,7 @@ def _simulate_cluster_views(
         edims = with_lora(dataclasses.replace(edims, sample_wait=True), lora)  # sample_wait: HOL blocking events
         if cluster.pd:
             edims = dataclasses.replace(edims, exit_log=2 * edims.batch_slots, transfers=True)
+        shared = cluster.pd and cluster.prefill_decode_instances > 0
         gateway_slots = 0
         if gateway is not None:
             depth = cluster.flow_control.max_gateway_queue_depth
@@ -308,7 +337,7 @@ def _simulate_cluster_views(
         routings = (cluster.routing(), *(cluster.pool_routing() if cluster.pd else (None, None)))
         cd = loop.ClusterDims(
             engine=edims, num_instances=cluster.slots, **loop.routing_dims(*routings), pd=cluster.pd,
-            transfers=bucket(64 * growth.transfers) if cluster.pd else 1,
+            transfers=bucket(64 * growth.transfers) if cluster.pd else 1, shared_pods=shared,
             admission_reads_state=cluster.admission().reads_state,
             gateway_slots=gateway_slots, gateway_bands=bands, gateway_tenants=tenants,
             **(scaling_setup.dims(growth) if scaling_setup is not None else {}),
@@ -357,7 +386,9 @@ def _simulate_cluster_views(
     built = cluster.num_instances if startup is None else startup.num_placed
     if scaling_setup is not None:
         built = int(cs.scaling.next_slot)
-    out, views = merge_outputs(cs, edims, params, requests, code, readers, built, cluster.pd)
+    pools = ((np.asarray(prefill_role), np.asarray(decode_role), cluster.pd_transfer_contention) if cluster.pd
+             else None)
+    out, views = merge_outputs(cs, edims, params, requests, code, readers, built, pools)
     if lora is not None:
         out = with_adapter_counts(out, lora, cs.instances.lora_loads[:built], cs.instances.lora_evictions[:built])
     if scaling_setup is None:
@@ -571,10 +602,11 @@ def _read_logs(cs: loop.ClusterState, readers: list[ItlLogReader]) -> loop.Clust
 
 
 def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: RequestSet, code: int,
-                  readers: list[ItlLogReader], num_instances: int, pd: bool = False):
+                  readers: list[ItlLogReader], num_instances: int, pools=None):
     """(one `SimOutput` for the cluster, per-instance views or None): each request's record
     from the instance that served it (with PD, its parent record rebuilt from its sub-requests),
-    ITL step logs concatenated (run step indices offset), counters per instance."""
+    ITL step logs concatenated (run step indices offset), counters per instance. `pools`: with
+    PD, (prefill-role mask, decode-role mask, transfer contention)."""
     n = len(requests)
     host = jax.device_get(cs)
     handled = np.asarray(host.handled_by[:n]).astype(np.int32)
@@ -591,8 +623,9 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
         admit_steps.append(np.asarray(s.out_admit_step[:n]))
     fields = combine(lanes, handled)
     views = None
-    if pd:
-        fields, views = _pd_parents(fields, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n)
+    if pools is not None:
+        fields, views = _pd_parents(fields, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n,
+                                    requests, pools)
     fields["status"][np.asarray(host.rejected[:n])] = so.REJECTED
     fields["status"][np.asarray(host.routing_rejected[:n])] = so.ROUTING_REJECTED
     if host.gateway is not None:
@@ -647,19 +680,32 @@ def combine(lanes: list[so.SimOutput], handled: np.ndarray) -> dict:
                 itl_runs=np.concatenate(run_parts) if run_parts else np.zeros((0, 3), np.int64))
 
 
-def _pd_parents(fields: dict, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n):
+def _pd_parents(fields: dict, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n, requests, pools):
     """BLIS's parent metrics of disaggregated requests (blis-features §3.10): TTFT = decode
     scheduling delay (arrival → decode admission) + the first decode ITL sample; E2E = decode
     scheduling delay + the decode sub-request's own E2E; scheduling delay = the prefill's; ITL
     = the decode's. A request in transfer at the end counts as still running; one dropped for
-    lack of KV at its decode instance as dropped."""
+    lack of KV at its decode instance as dropped.
+
+    A shared pod may prefill and then decode the same request: its record on that pod is the
+    decode sub-request's once that arrived, the prefill's figures were saved at the transfer
+    start (`Transfers.prefill_*`)."""
     f = fields
+    prefill_role, decode_role, contention = pools
     dropped = np.asarray(tr.dropped[:n])
     started = np.asarray(tr.start_us[:n]) >= 0
-    status, decode_delay = f["status"].copy(), f["sched_delay_us"].copy()
+    moving = np.asarray(tr.request)[np.asarray(tr.done_at) < INF_TIME]
+    decode_arrived = started & ~np.isin(np.arange(n), moving)
+    prefill_done = disaggregated & (started | dropped)
+    # the record on a shared pod is still the prefill's until the decode sub-request arrives
+    reused = disaggregated & (prefill_by == handled)
+    status = np.where(reused & ~decode_arrived, so.NOT_ARRIVED, f["status"])
+    decode_delay = f["sched_delay_us"].copy()
     prefill_status = np.zeros(n, np.int8)
     prefill_delay = np.full(n, -1, np.int64)
-    views = []
+    views, view_requests, completed = [], [], []
+    saved_delay, saved_ttft, saved_e2e = (np.asarray(getattr(tr, k)[:n]) for k in
+                                          ("prefill_delay_us", "prefill_ttft_us", "prefill_e2e_us"))
     for i, o in enumerate(lanes):
         mine = disaggregated & (prefill_by == i)
         prefill_status[mine] = o.status[mine]
@@ -669,13 +715,27 @@ def _pd_parents(fields: dict, lanes, admit_steps, handled, disaggregated, prefil
         served = (handled == i) | mine
         view["handled_by"] = np.where(served, i, -1).astype(np.int32)
         view["status"] = np.where(served, o.status, so.NOT_ARRIVED).astype(np.int8)
-        view["ttft_us"] = np.where(disaggregated & (handled == i), -1, o.ttft_us)
+        view["ttft_us"] = np.where(disaggregated & (handled == i) & decode_arrived, -1, o.ttft_us)
         counters = {name: f[name] for name in so._COUNTERS}
-        views.append(so.SimOutput(**view, **counters, itl_step_us=o.itl_step_us,
-                                  itl_runs=o.itl_runs[served[o.itl_runs[:, 0]]]))
+        runs = o.itl_runs[served[o.itl_runs[:, 0]]]
+        twice = np.flatnonzero(reused & decode_arrived & (handled == i))
+        reqs = None
+        if twice.size:  # the prefill sub-requests of requests this pod also decoded: extra rows
+            extra = {name: np.zeros(twice.size, dtype) for name, dtype in so._PER_REQUEST.items()}
+            extra.update(status=np.full(twice.size, so.COMPLETED, np.int8), ttft_us=saved_ttft[twice],
+                         e2e_us=saved_e2e[twice], sched_delay_us=saved_delay[twice],
+                         handled_by=np.full(twice.size, i, np.int32))
+            view = {name: np.concatenate([view[name], extra[name]]) for name in so._PER_REQUEST}
+            reqs = ViewRows(n + twice.size)
+        views.append(so.SimOutput(**view, **counters, itl_step_us=o.itl_step_us, itl_runs=runs))
+        view_requests.append(reqs)
+        completed.append(int((so.is_completed(view["status"]) & (view["handled_by"] == i)).sum()))
+    prefill_status = np.where(prefill_done, so.COMPLETED, prefill_status).astype(np.int8)
+    prefill_delay = np.where(prefill_done, saved_delay, prefill_delay)
     first_sample = np.full(n, -1, np.int64)
     for i, o in enumerate(lanes):
-        mine = disaggregated & (handled == i) & (admit_steps[i] >= 0) & (admit_steps[i] < o.itl_step_us.shape[0])
+        mine = (disaggregated & (handled == i) & (admit_steps[i] >= 0) & (admit_steps[i] < o.itl_step_us.shape[0])
+                & decode_arrived)
         first_sample[mine] = o.itl_step_us[admit_steps[i][mine]]
     done = disaggregated & so.is_completed(status)
     f["ttft_us"] = np.where(disaggregated, np.where(first_sample >= 0, decode_delay + first_sample, -1), f["ttft_us"])
@@ -694,8 +754,13 @@ def _pd_parents(fields: dict, lanes, admit_steps, handled, disaggregated, prefil
     np.add.at(dropped_count, handled[disaggregated & dropped], 1)
     f["still_running"], f["dropped_unservable"] = still_running, dropped_count
     durations = np.asarray(tr.duration_us[:n])
+    completed = np.asarray(completed, np.int64)
+    k = len(lanes)
     views = InstanceViews(
         outputs=tuple(views), disaggregated=disaggregated, dropped_at_decode=int((disaggregated & dropped).sum()),
-        transfer_us=durations[durations >= 0], prefill_completed=int(so.is_completed(prefill_status).sum()),
-        decode_completed=int(done.sum()))
+        transfer_us=durations[durations >= 0],
+        prefill_completed=int(completed[prefill_role[:k]].sum()),
+        decode_completed=int(completed[decode_role[:k]].sum()),
+        requests=tuple(view_requests), contention=bool(contention),
+        transfers_in_flight=np.asarray(tr.active_at_start[:n])[durations >= 0])
     return f, views

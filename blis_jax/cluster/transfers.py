@@ -33,6 +33,12 @@ class Transfers(eqx.Module):
     start_us: Int64[Array, " N"]
     duration_us: Int64[Array, " N"]
     dropped: Bool[Array, " N"]
+    active_at_start: Int64[Array, " N"]  # transfers in flight when it started, itself included
+    # the prefill sub-request's scheduling delay, TTFT and E2E, read at the start: on a shared
+    # pod the decode sub-request may later reuse the request's output record
+    prefill_delay_us: Int64[Array, " N"]
+    prefill_ttft_us: Int64[Array, " N"]
+    prefill_e2e_us: Int64[Array, " N"]
 
 
 def empty(capacity: int, num_requests: int) -> Transfers:
@@ -42,6 +48,8 @@ def empty(capacity: int, num_requests: int) -> Transfers:
         decode=jnp.full(t, -1, jnp.int32), seq=jnp.zeros(t, jnp.int64), started=jnp.asarray(0, jnp.int64),
         decode_target=jnp.full(n, -1, jnp.int32), prefill_by=jnp.full(n, -1, jnp.int32),
         start_us=jnp.full(n, -1, jnp.int64), duration_us=jnp.full(n, -1, jnp.int64), dropped=jnp.zeros(n, bool),
+        active_at_start=jnp.zeros(n, jnp.int64), prefill_delay_us=jnp.full(n, -1, jnp.int64),
+        prefill_ttft_us=jnp.full(n, -1, jnp.int64), prefill_e2e_us=jnp.full(n, -1, jnp.int64),
     )
 
 
@@ -57,8 +65,10 @@ def in_flight(tr: Transfers):
     return jnp.sum(tr.done_at < INF_TIME)
 
 
-def start(tr: Transfers, r, decode, now, duration, reserved, active):
-    """Record a transfer that starts at `now` (or the drop, when no KV could be reserved)."""
+def start(tr: Transfers, r, decode, now, duration, reserved, active, in_flight, prefill_record):
+    """Record a transfer that starts at `now` (or the drop, when no KV could be reserved);
+    `in_flight`: transfers active with this one; `prefill_record`: the prefill sub-request's
+    (scheduling delay, TTFT, E2E)."""
     n, t = tr.decode_target.shape[0], tr.done_at.shape[0]
     go = active & reserved
     free = jnp.argmax(tr.done_at >= INF_TIME)
@@ -74,6 +84,10 @@ def start(tr: Transfers, r, decode, now, duration, reserved, active):
         start_us=tr.start_us.at[jnp.where(go, r, n)].set(now, mode="drop"),
         duration_us=tr.duration_us.at[jnp.where(go, r, n)].set(duration, mode="drop"),
         dropped=tr.dropped.at[jnp.where(active & ~reserved, r, n)].set(True, mode="drop"),
+        active_at_start=tr.active_at_start.at[jnp.where(go, r, n)].set(in_flight, mode="drop"),
+        prefill_delay_us=tr.prefill_delay_us.at[jnp.where(active, r, n)].set(prefill_record[0], mode="drop"),
+        prefill_ttft_us=tr.prefill_ttft_us.at[jnp.where(active, r, n)].set(prefill_record[1], mode="drop"),
+        prefill_e2e_us=tr.prefill_e2e_us.at[jnp.where(active, r, n)].set(prefill_record[2], mode="drop"),
     )
     return tr, full
 

@@ -315,10 +315,11 @@ def _finish_requests(state: EngineState, dims: EngineDims, params: EngineParams,
             state = lora.pin(state, req.adapter[rq], -1, on)
         state = set_row(set_status(state, rq, status, on), rq, -1, on)
         state = sessions.on_completion(state, params, req, model, rq, state.now + step_us, on)
-        if dims.exit_log > 1:  # a PD cluster starts the KV transfer of a finished prefill
-            at = jnp.where(on & is_done, state.exit_count % dims.exit_log, dims.exit_log)
+        if dims.exit_log > 1:  # a PD cluster starts the KV transfer of a finished prefill (no output)
+            logged = on & is_done & (out == 0)
+            at = jnp.where(logged, state.exit_count % dims.exit_log, dims.exit_log)
             state = dataclasses.replace(state, exit_req=state.exit_req.at[at].set(rq.astype(jnp.int32), mode="drop"),
-                                        exit_count=state.exit_count + (on & is_done))
+                                        exit_count=state.exit_count + logged)
         at_row = jnp.where(on, row, dims.rows)
         return k + on, dataclasses.replace(
             state,

@@ -143,6 +143,52 @@ _CLASS_OF_KIND = {cls.kind: cls for cls in (TrainedPhysicsModel, RooflineModel)}
 KINDS = tuple(_CLASS_OF_KIND)
 
 
+class PerSlotKindModel(LatencyModel):
+    """A cluster whose PD pools use different backends (`--prefill-latency-model roofline`
+    with a trained-physics decode pool, blis-features §3.10): one structure for every slot, so
+    the slots still stack and vmap; `roofline` picks each slot's backend. Both backends are
+    evaluated and one is kept, so only such clusters pay for the other."""
+
+    kind: ClassVar[str] = "per-slot"
+    roofline: Array  # bool scalar: this slot runs the roofline backend
+
+    def step_time(self, feats):
+        return jnp.where(self.roofline, roofline.step_time(self, feats), trained_physics.step_time(self, feats))
+
+    def decode_run_step_times(self, feats, offsets):
+        physics = TrainedPhysicsModel.decode_run_step_times(self, feats, offsets)
+        rl = jax.lax.map(lambda o: roofline.step_time(self, dataclasses.replace(feats, progress=feats.progress + o)),
+                         offsets)
+        return jnp.where(self.roofline, rl, physics)
+
+    def queueing_time(self, input_len):
+        return jnp.where(self.roofline, self.alpha[0] + self.alpha[1] * input_len,
+                         jnp.broadcast_to(self.alpha[0], input_len.shape))
+
+    def post_decode_time(self):
+        return jnp.where(self.roofline, 0.0, self.alpha[1])
+
+
+def per_slot_kinds(models: list[LatencyModel]) -> list[LatencyModel]:
+    """`models` (one per deployment option) with one structure: unchanged when they share one,
+    else each as a `PerSlotKindModel`. Only the backend may differ (the model's MoE family and
+    a trained-physics beta count are structure shared by every slot)."""
+    if len({jax.tree.structure(m) for m in models}) == 1:
+        return models
+    betas = {m.num_betas for m in models if m.kind == "trained-physics"}
+    if len(betas) > 1 or len({m.moe_comm for m in models}) > 1 or any(
+            m.kind not in KINDS for m in models):
+        raise ConfigError("the PD pools' latency models differ in more than their backend (trained-physics "
+                          "beta count or MoE family); give every pool the same coefficients")
+    num_betas = betas.pop() if betas else 0
+    out = []
+    for m in models:
+        fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
+        fields.update(num_betas=num_betas, roofline=jnp.asarray(m.kind == "roofline"))
+        out.append(PerSlotKindModel(**fields))
+    return out
+
+
 def _f64(x) -> Float[Array, ""]:
     return jnp.asarray(x, dtype=jnp.float64)
 

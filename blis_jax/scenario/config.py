@@ -56,8 +56,9 @@ class Deployment:
     `hardware` and `tp` None take the model's BLIS default (else H100, TP 1); `total_kv_blocks`
     None is derived from GPU memory; `max_model_len` 0 from the model and the KV capacity.
     `alpha`/`beta` (given together) or a `coefficients` YAML override the trained-physics
-    defaults. The `prefill_*`/`decode_*` fields give a PD pool its own GPU, TP or
-    max-model-len (None / 0: the deployment's)."""
+    defaults. The `prefill_*`/`decode_*` fields give a PD pool its own GPU, TP, latency
+    backend or max-model-len (None / 0: the deployment's; shared prefill-decode pods take the
+    decode pool's)."""
 
     model: str = DEFAULT_MODEL
     hardware: str | None = None
@@ -76,11 +77,17 @@ class Deployment:
     decode_hardware: str | None = None
     decode_tp: int | None = None
     decode_max_model_len: int = 0
+    prefill_latency_model: str | None = None
+    decode_latency_model: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or not str(self.model).strip():
             raise ConfigError(f"{name('deployment.model')}: give a bundled model id or a config path")
         _check_choice("deployment.latency_model", self.latency_model, LATENCY_MODELS)
+        for pool in ("prefill", "decode"):
+            if getattr(self, f"{pool}_latency_model") is not None:
+                _check_choice(f"deployment.{pool}_latency_model", getattr(self, f"{pool}_latency_model"),
+                              LATENCY_MODELS)
         for path, value in (("deployment.hardware", self.hardware), ("deployment.prefill_hardware",
                             self.prefill_hardware), ("deployment.decode_hardware", self.decode_hardware)):
             if value is not None and not str(value).strip():

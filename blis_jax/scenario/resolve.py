@@ -153,6 +153,15 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
     cluster = cluster.validate()
     if cluster.served_model is None:  # BLIS: every instance serves --model lower-cased (blis-infra §5.1)
         cluster = dataclasses.replace(cluster, served_model=str(d.model).lower())
+    if cluster.decider_ignored:
+        # BLIS's message; `blis run` then disaggregates between the shared pods all the same,
+        # `blis replay` refuses the configuration
+        text = (f'{name("cluster.pd_decider")}="{cluster.pd_decider}" has no effect because '
+                f'{name("cluster.prefill_instances")}=0 (disaggregation is disabled); set '
+                f'{name("cluster.prefill_instances")} and {name("cluster.decode_instances")} to enable')
+        if isinstance(config.workload, TraceWorkload):
+            raise ConfigError(text)
+        warn(text)
     kind, alpha, beta = _coefficients(d)
     arch = load_model(d.model)  # ids are matched case-insensitively, as BLIS lower-cases them
     hardware, tp = _hardware_and_tp(d, arch.hf_id)
@@ -160,7 +169,7 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
     latency_model = _latency_model(kind, arch, gpu, tp, alpha, beta, f"{name('deployment.latency_model')} {kind}")
     blocks = _kv_blocks(d, arch, gpu, tp, warn, lora.reservation_gib if lora is not None else 0.0)
     max_model_len = _max_model_len("deployment.max_model_len", d.max_model_len, arch, blocks, d.block_size)
-    pools = {pool: _pool_deployment(d, pool, cluster, arch, kind, alpha, beta, gpu, tp, warn)
+    pools = {pool: _pool_deployment(d, pool, cluster, arch, kind, alpha, beta, gpu, tp, latency_model, warn)
              for pool in ("prefill", "decode")}
     startup = (_startup_instances(d, cluster, arch, gpu, tp, blocks, max_model_len, warn)
                if cluster.node_pools else None)
@@ -333,20 +342,27 @@ def _max_model_len(path: str, value: int, arch, blocks: int, block: int) -> int:
 
 
 def _pool_deployment(d: Deployment, pool: str, cluster: ClusterConfig, arch, kind, alpha, beta, base_gpu,
-                     base_tp: int, warn: Warn) -> PoolDeployment | None:
+                     base_tp: int, base_model, warn: Warn) -> PoolDeployment | None:
     """A PD pool's own deployment when any of its hardware/tp/max-model-len is set
     (blis-features §3.10: per-pool overrides, pool KV capacity recomputed)."""
-    hardware, tp, mml = (getattr(d, f"{pool}_{field}") for field in ("hardware", "tp", "max_model_len"))
-    if hardware is None and tp is None and not mml:
+    hardware, tp, mml, backend = (getattr(d, f"{pool}_{field}")
+                                  for field in ("hardware", "tp", "max_model_len", "latency_model"))
+    if hardware is None and tp is None and not mml and backend is None:
         return None
-    fields = "/".join(name(f"deployment.{pool}_{field}") for field in ("hardware", "tp", "max_model_len"))
+    fields = "/".join(name(f"deployment.{pool}_{field}")
+                      for field in ("hardware", "tp", "max_model_len", "latency_model"))
     if not cluster.pd:
         raise ConfigError(f"{fields} configure a PD pool: set {name('cluster.prefill_instances')} and "
                           f"{name('cluster.decode_instances')}")
     gpu = load_gpu(hardware) if hardware is not None else base_gpu
     tp = base_tp if tp is None else tp
+    if backend is not None and backend != kind:
+        # another backend keeps the cluster's alpha (as BLIS: a roofline pool beside trained-physics
+        # enqueues after α0 + α1·input with trained-physics's α), with its own beta
+        kind, alpha, beta = backend, tuple(float(a) for a in base_model.alpha.tolist()), None
     model = _latency_model(kind, arch, gpu, tp, alpha, beta,
-                           f"{name(f'deployment.{pool}_tp')} / {name(f'deployment.{pool}_hardware')}")
+                           f"{name(f'deployment.{pool}_tp')} / {name(f'deployment.{pool}_hardware')} / "
+                           f"{name(f'deployment.{pool}_latency_model')}")
     blocks = _kv_blocks(d, arch, gpu, tp, warn)
     path = f"deployment.{pool}_max_model_len" if mml else "deployment.max_model_len"
     max_model_len = _max_model_len(path, mml or d.max_model_len, arch, blocks, d.block_size)

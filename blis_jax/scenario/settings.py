@@ -99,7 +99,7 @@ def _table() -> tuple[Setting, ...]:
                                          ("-max", "max", int))]
     pools = [_s(f"{pool}-{name}", f"deployment.{pool}_{name.replace('-', '_')}", typ)
              for pool in ("prefill", "decode")
-             for name, typ in (("hardware", str), ("tp", int), ("max-model-len", int))]
+             for name, typ in (("hardware", str), ("tp", int), ("max-model-len", int), ("latency-model", str))]
     return (
         # workload (run only)
         _s("workload", "workload.kind", str, SYNTHETIC_KINDS),
@@ -146,6 +146,7 @@ def _table() -> tuple[Setting, ...]:
         # cluster: prefill/decode disaggregation
         _s("prefill-instances", "cluster.prefill_instances", int),
         _s("decode-instances", "cluster.decode_instances", int),
+        _s("prefill-decode-instances", "cluster.prefill_decode_instances", int),
         _s("pd-decider", "cluster.pd_decider", str, pd),
         _s("pd-prefix-threshold", "cluster.pd_prefix_threshold", int),
         _s("pd-transfer-bandwidth", "cluster.pd_transfer_bandwidth", float),

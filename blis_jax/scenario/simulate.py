@@ -43,8 +43,11 @@ class SimulationResult:
         """The MetricsOutput block of one instance."""
         from blis_jax.metrics import metrics_output
 
-        view = self.views.outputs[instance] if self.views is not None else self.output
-        return metrics_output(view, self.requests, instance)
+        view, rows = self.output, self.requests
+        if self.views is not None:
+            view = self.views.outputs[instance]
+            rows = (self.views.requests[instance] if self.views.requests else None) or self.requests
+        return metrics_output(view, rows, instance)
 
     @property
     def records(self) -> list[dict]:
@@ -59,7 +62,7 @@ class SimulationResult:
 
         extra = {}
         if self.views is not None:
-            extra = dict(instance_outputs=self.views.outputs,
+            extra = dict(instance_outputs=self.views.outputs, instance_requests=self.views.requests,
                          extra_sections=(format_pd_section(pd_summary(self.output, self.views)),))
         return render_stdout(self.output, self.requests, scheduler=self.scenario.scheduler,
                              goodput_targets=self.scenario.goodput_targets, **extra)

@@ -96,7 +96,8 @@ class ClusterScenario:
             return tuple(name for name, _ in scorers.parse_profile(text))
 
         pd = ((jax.tree.structure(c.pd_config()), names(c.prefill_routing_scorers) if c.prefill_routing_scorers
-               else (), names(c.decode_routing_scorers) if c.decode_routing_scorers else ()) if c.pd else None)
+               else (), names(c.decode_routing_scorers) if c.decode_routing_scorers else (),
+               c.prefill_decode_instances > 0) if c.pd else None)
         return ("cluster", jax.tree.structure(self.model), self.engine_dims(), c.routing_policy,
                 names(c.routing_scorers) if c.routing_policy == "weighted" else (), type(c.admission()), pd)
 
