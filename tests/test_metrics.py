@@ -25,6 +25,7 @@ from blis_jax.engine.output import (
     NOT_ARRIVED,
     QUEUED,
     REJECTED,
+    ROUTING_REJECTED,
     RUNNING,
     TIMED_OUT,
     SimOutput,
@@ -82,13 +83,16 @@ def _case(case: Path):
     ttft, e2e, sched, handled = (np.full(n, -1, np.int64) for _ in range(4))
     itl_sum, num_itl, out_tokens = (np.zeros(n, np.int64) for _ in range(3))
     samples: list[int] = []
-    missing = DROPPED if met["dropped_unservable"] else REJECTED
+    missing = (DROPPED if met["dropped_unservable"] else
+               ROUTING_REJECTED if "Rejected Requests (Routing): 0\n" not in stdout and "(Routing)" in stdout
+               else REJECTED)
+    names = [b["instance_id"] for b in _instance_blocks(stdout)] or ["instance_0"]
     for i, rid in enumerate(requests.request_id.tolist()):
         rec, res = records.get(rid), results.get(rid)
         if rec is None:
             status[i] = missing
             continue
-        handled[i] = int(rec["handled_by"].split("_")[1])
+        handled[i] = names.index(rec["handled_by"])
         sched[i] = round(rec["scheduling_delay_ms"] * 1000)
         if rec["ttft_ms"] > 0:
             ttft[i] = round(rec["ttft_ms"] * 1000)
@@ -121,7 +125,8 @@ def _case(case: Path):
         lora = dict(adapter_ids=ids, adapter_loads=per("load_count"), adapter_evictions=per("eviction_count"))
     out = SimOutput(status=status, ttft_us=ttft, e2e_us=e2e, itl_sum_us=itl_sum, num_itl=num_itl,
                     sched_delay_us=sched, output_tokens=out_tokens, handled_by=handled,
-                    **itl_from_samples(samples, status, num_itl), **counters, **lora)
+                    **itl_from_samples(samples, status, num_itl), **counters, **lora,
+                    instance_names=tuple(names) if any(not n.startswith("instance_") for n in names) else None)
     return requests, out, met, stdout, json.loads((case / "case.json").read_text()), header
 
 
@@ -175,14 +180,14 @@ def test_a01_ttft_e2e_reproduce_metrics_json():
 # ---------------------------------------------------------------------- reference cases
 
 
-# Reference cases whose outputs carry sections of features not built yet (autoscaler scaling,
-# per-model metrics, offload lines): strict xfails.
-AUTOSCALED_OR_LORA = {"F03", "F04"}
-NEW_SECTIONS = AUTOSCALED_OR_LORA | {"F01", "F05", "G01", "G02", "G04"}
+# Reference cases whose outputs carry sections of features not built yet (KV offload lines):
+# strict xfails.
+NOT_REBUILT: set[str] = set()   # cases whose metrics blocks the stand-in above cannot rebuild
+NEW_SECTIONS = {"G01", "G02", "G04"}
 
 
 @needs_reference
-@pytest.mark.parametrize("case", params_with_known_failures(CASES, AUTOSCALED_OR_LORA))
+@pytest.mark.parametrize("case", params_with_known_failures(CASES, NOT_REBUILT))
 def test_cluster_block_fields_and_order(case: Path):
     requests, out, met, _, _, header = _case(case)
     m = metrics_output(out, requests, with_cache_hit_rate=True, goodput_targets=header.goodput_slo_targets)
@@ -196,11 +201,14 @@ def test_cluster_block_fields_and_order(case: Path):
                 for k, v in fields.items():
                     assert m[key][cls][k] == pytest.approx(v, rel=1e-12), (cls, k)
             continue
+        if key == "cache_hit_rate":   # a mean of per-instance rates; the stand-in's are all the published mean
+            assert m[key] == pytest.approx(value, rel=1e-12)
+            continue
         assert m[key] == value, key
 
 
 @needs_reference
-@pytest.mark.parametrize("case", params_with_known_failures(CASES, AUTOSCALED_OR_LORA))
+@pytest.mark.parametrize("case", params_with_known_failures(CASES, NOT_REBUILT))
 def test_request_records_and_results(case: Path):
     requests, out, met, *_ = _case(case)
     records = request_records(out, requests)
