@@ -210,3 +210,16 @@ def test_max_model_len_is_capped_at_the_recomputed_capacity():
     blocks, mml = r.startup.total_kv_blocks, r.startup.max_model_len
     assert blocks[2] * 16 < r.max_model_len == mml[0]               # 48 GiB: fewer blocks than the context needs
     assert mml[2] == blocks[2] * 16
+
+
+@needs_blis_diff
+@pytest.mark.parametrize("case_id, instances", [("F01", 4), ("F02", 5)])
+def test_placed_instances_agree_with_blis_log(case_id, instances):
+    """BLIS logs one per-instance KV line per placed instance, in index order (stderr.txt)."""
+    import re
+
+    r, case, _ = resolved(case_id, instances)
+    log = (next(BLIS_DIFF.glob(f"{case_id}_*")) / "stderr.txt").read_text()
+    lines = re.findall(r'per-instance KV auto-calc for GPU \\"(\w+)\\": total-kv-blocks=(\d+)', log)
+    ours = [(p.gpu_type, str(b)) for p, b in zip(r.startup.placements, r.startup.total_kv_blocks) if p is not None]
+    assert ours == lines and len(lines) == r.startup.num_placed
