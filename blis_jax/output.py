@@ -189,14 +189,16 @@ def render_stdout(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcf
                   thrashing_rate: float = 0.0,
                   goodput_targets: Mapping[str, Mapping[str, float]] | None = None,
                   extra_sections: Sequence[str] = (),
-                  instance_outputs: Sequence[SimOutput] | None = None) -> str:
+                  instance_outputs: Sequence[SimOutput] | None = None,
+                  per_instance_blocks: bool | None = None) -> str:
     """The `run` / `replay` stdout: per-instance blocks (more than one instance), the cluster
     block, then the Anomaly, KV-cache, Per-SLO, Per-Tenant and Session sections when they
     apply, then `extra_sections` (already formatted, e.g. PD metrics, produced elsewhere).
     `instance_outputs[k]` is what instance k itself served, when that differs from the
-    request-level `out` (PD sub-requests)."""
+    request-level `out` (PD sub-requests). `per_instance_blocks`: BLIS prints them when
+    `--num-instances` > 1, even if node pools placed only one (None: more than one instance)."""
     parts = []
-    if out.num_instances > 1:
+    if out.num_instances > 1 if per_instance_blocks is None else per_instance_blocks:
         views = instance_outputs if instance_outputs is not None else [out] * out.num_instances
         parts += [format_metrics_block(metrics_output(views[k], requests, k)) for k in range(out.num_instances)]
     parts.append(format_metrics_block(metrics_output(out, requests, goodput_targets=goodput_targets)))
