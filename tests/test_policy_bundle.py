@@ -233,3 +233,31 @@ def test_cli_error_names_the_key_and_line(tmp_path):
     assert rc == 2
     (line,) = err.getvalue().splitlines()
     assert line.startswith("blis-jax run: error: --policy-config ") and "line 3: unknown key routing.cache_weight" in line
+
+
+def test_explicit_settings_at_their_default_beat_the_bundle(tmp_path):
+    path = tmp_path / "bundle.yaml"
+    path.write_text(WE20)
+    config = ScenarioConfig(policy_config=str(path))
+    c = apply_policy_bundle(config, explicit={"cluster.routing_policy", "engine.scheduler",
+                                              "cluster.admission_policy"})
+    assert (c.cluster.routing_policy, c.cluster.routing_scorers, c.engine.scheduler) == ("round-robin", None, "fcfs")
+    assert c.cluster.admission_policy == "always-admit" and c.cluster.token_bucket_capacity == 5000.0
+
+
+def test_cli_typed_flags_win_even_at_their_default(tmp_path):
+    """`--routing-policy round-robin` typed: BLIS keeps it over the bundle's weighted policy
+    (the flag is Changed); untyped, the bundle's policy applies."""
+    from blis_jax.cli import app
+
+    path = tmp_path / "bundle.yaml"
+    path.write_text(WE20)
+    diag = app.Diagnostics(io.StringIO())
+    for argv, want in ((["--routing-policy", "round-robin"], ("round-robin", "priority-fcfs")),
+                       (["--scheduler=fcfs"], ("weighted", "fcfs")),
+                       ([], ("weighted", "priority-fcfs"))):
+        raw = ["run", "--policy-config", str(path), "--num-requests", "2", *argv]
+        args = app.build_parser().parse_args(raw)
+        args.given_flags = frozenset(t[2:].split("=", 1)[0] for t in raw if t.startswith("--"))
+        r = app.resolve_command(args, diag)
+        assert (r.cluster.routing_policy, r.scheduler) == want, argv
