@@ -261,3 +261,8 @@ def test_cli_typed_flags_win_even_at_their_default(tmp_path):
         args.given_flags = frozenset(t[2:].split("=", 1)[0] for t in raw if t.startswith("--"))
         r = app.resolve_command(args, diag)
         assert (r.cluster.routing_policy, r.scheduler) == want, argv
+
+
+def test_the_bundle_is_consumed_once(tmp_path):
+    c = applied(POOL, tmp_path)
+    assert c.policy_config is None and apply_policy_bundle(c) == c

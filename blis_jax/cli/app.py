@@ -492,7 +492,6 @@ def resolve_command(args, diag: Diagnostics) -> ResolvedScenario:
         config = scenario_config(args, seed_given=_seed_given(args))
         if config.policy_config is not None:   # BLIS: a typed flag wins over the bundle, even at its default
             config = apply_policy_bundle(config, diag.warn, explicit=scenario_flags.given_fields(args))
-            config = config.replace(policy_config=None)
         return resolve(config, warn=diag.warn)
 
 

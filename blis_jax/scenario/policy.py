@@ -36,7 +36,8 @@ def load_bundle(source: str | Path | PolicyBundle) -> PolicyBundle:
 
 
 def apply_policy_bundle(config: ScenarioConfig, warn=None, explicit: Collection[str] = ()) -> ScenarioConfig:
-    """`config` with its policy bundle applied (unchanged without one); `warn(message)` receives
+    """`config` with its policy bundle applied and `policy_config` cleared (unchanged without a
+    bundle); `warn(message)` receives
     what BLIS warns about (an ignored `priority.policy`). `explicit`: field paths
     (`cluster.routing_policy`, `engine.scheduler`, ...) set explicitly, which the bundle never
     overrides even when they hold their default value (the CLI's typed flags)."""
@@ -85,7 +86,8 @@ def apply_policy_bundle(config: ScenarioConfig, warn=None, explicit: Collection[
         engine = dataclasses.replace(e, **engine_changes)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
-    return dataclasses.replace(config, cluster=dataclasses.replace(c, **changes), engine=engine)
+    # the bundle is consumed: the result holds its effect, so resolving it again changes nothing
+    return dataclasses.replace(config, cluster=dataclasses.replace(c, **changes), engine=engine, policy_config=None)
 
 
 def _refuse_unsupported(bundle: PolicyBundle, where: str) -> None:
