@@ -4,8 +4,11 @@ The public API (everything in `__all__`):
 
 * configure a scenario in plain Python: `ScenarioConfig(deployment=Deployment(...),
   engine=EngineSettings(...), workload=SyntheticWorkload(...) | SpecWorkload(...) |
-  TraceWorkload(...), cluster=ClusterConfig(...), horizon_us=..., seed=..., lora=LoraSettings(...))`,
-  validated on construction (`ConfigError` names the field);
+  TraceWorkload(...), cluster=ClusterConfig(...), horizon_us=..., seed=...,
+  lora=LoraSettings(...), policy_config=...)`, validated on construction (`ConfigError` names the field); node pools
+  and the instance lifecycle: `ClusterConfig(node_pools=(NodePool(...),),
+  instance_lifecycle=InstanceLifecycle(loading_delay=Delay(mean, stddev)))`, or a BLIS
+  policy bundle (`PolicyBundle`, `load_policy_bundle(path)`, or a YAML path);
 * `resolve(config) -> ResolvedScenario` (model, GPU, latency model, requests) and
   `simulate(config_or_resolved) -> SimulationResult` (`.metrics`, `.records`, `.report()`);
 * `simulate_batch([...]) -> [SimulationResult]`: many single-instance scenarios as one
@@ -45,6 +48,11 @@ _EXPORTS = {
     "TraceWorkload": "blis_jax.scenario.config",
     "LoraSettings": "blis_jax.scenario.config",
     "ClusterConfig": "blis_jax.cluster.simulate",
+    "NodePool": "blis_jax.cluster.node_pools",
+    "InstanceLifecycle": "blis_jax.cluster.node_pools",
+    "Delay": "blis_jax.cluster.node_pools",
+    "PolicyBundle": "blis_jax.config.policy_bundle",
+    "load_policy_bundle": "blis_jax.config.policy_bundle",
     "GaussianLength": "blis_jax.workload.distribution",
     "resolve": "blis_jax.scenario.resolve",
     "ResolvedScenario": "blis_jax.scenario.resolve",
@@ -63,7 +71,13 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
+    from blis_jax.cluster.node_pools import (
+        Delay as Delay,
+        InstanceLifecycle as InstanceLifecycle,
+        NodePool as NodePool,
+    )
     from blis_jax.cluster.simulate import ClusterConfig as ClusterConfig
+    from blis_jax.config.policy_bundle import PolicyBundle as PolicyBundle, load_policy_bundle as load_policy_bundle
     from blis_jax.errors import ConfigError as ConfigError, SimulationFailed as SimulationFailed
     from blis_jax.scenario.batch import simulate_batch as simulate_batch
     from blis_jax.scenario.config import (

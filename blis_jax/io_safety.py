@@ -235,7 +235,7 @@ def _umask() -> int:
 # files each one writes (a trace prefix writes PREFIX.yaml and PREFIX.csv; a directory flag
 # writes the listed files inside it).
 _SIM_INPUTS = ("workload_spec", "coefficients", "model", "hardware", "prefill_hardware", "decode_hardware",
-               "trace_header", "trace_data")
+               "trace_header", "trace_data", "policy_config")
 _SIM_OUTPUTS = {"metrics_path": ("",), "results_path": ("",), "trace_output": (".yaml", ".csv")}
 _INPUTS = {
     "run": _SIM_INPUTS, "replay": _SIM_INPUTS, "sensitivity": _SIM_INPUTS,

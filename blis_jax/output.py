@@ -206,15 +206,17 @@ def render_stdout(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcf
                   goodput_targets: Mapping[str, Mapping[str, float]] | None = None,
                   extra_sections: Sequence[str] = (),
                   instance_outputs: Sequence[SimOutput] | None = None,
-                  instance_requests: Sequence | None = None) -> str:
+                  instance_requests: Sequence | None = None,
+                  per_instance_blocks: bool | None = None) -> str:
     """The `run` / `replay` stdout: per-instance blocks (more than one instance), the cluster
     block, then the Anomaly, KV-cache, Per-SLO, Per-Model, Per-Tenant and Session sections when they
     apply, then `extra_sections` (already formatted, e.g. PD metrics, produced elsewhere).
     `instance_outputs[k]` is what instance k itself served, when that differs from the
     request-level `out` (PD sub-requests), with its own rows `instance_requests[k]` where not
-    None (a pod that served a request twice)."""
+    None (a pod that served a request twice). `per_instance_blocks`: BLIS prints them when
+    `--num-instances` > 1, even if node pools placed only one (None: more than one instance)."""
     parts = []
-    if out.num_instances > 1:
+    if out.num_instances > 1 if per_instance_blocks is None else per_instance_blocks:
         views = instance_outputs if instance_outputs is not None else [out] * out.num_instances
         rows = [(instance_requests[k] if instance_requests else None) or requests for k in range(out.num_instances)]
         parts += [format_metrics_block(metrics_output(views[k], rows[k], k)) for k in range(out.num_instances)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from functools import cache
 
 import numpy as np
@@ -64,21 +65,59 @@ def run_case(case_id: str, tmp_path):
     case_dir = next(BLIS_DIFF.glob(f"{case_id}_*"))
     case = json.loads((case_dir / "case.json").read_text())
     argv = ["run"] + [str(case_dir / a) if (case_dir / a).is_file() else a for a in case["generation_args"]]
+    argv += ["--log", "info"]   # the autoscaler's drain and placement lines are info
     argv[argv.index("--trace-output") + 1] = str(tmp_path / "trace")
     out, err = io.StringIO(), io.StringIO()
     rc = cli.main(argv, stdout=out, stderr=err)
     assert rc == 0, err.getvalue()
-    return case_dir, case, out.getvalue()
+    return case_dir, case, out.getvalue(), err.getvalue()
 
 
 def assert_run_equals_blis(case_id: str, tmp_path) -> None:
-    case_dir, case, stdout = run_case(case_id, tmp_path)
+    case_dir, case, stdout, stderr = run_case(case_id, tmp_path)
     assert (tmp_path / "trace.yaml").read_text() == (case_dir / "trace.yaml").read_text()
     assert (tmp_path / "trace.csv").read_text() == (case_dir / "trace.csv").read_text()
+    if case.get("command") == "run" and (case_dir / "stderr.txt").is_file():
+        assert_log_events_agree(case_dir, stderr, tmp_path / "trace.csv")
     if case["replay_matches_generating_run"] is not False:
         assert stdout == (case_dir / "stdout.txt").read_text()
     else:
         assert_generating_run_figures(case_dir, stdout)
+
+
+def assert_log_events_agree(case_dir, stderr: str, trace_csv) -> None:
+    """A run-only case's events that only BLIS's log shows (stderr.txt, --log info): the
+    requests rejected at routing and the instances placed (one per-instance KV line each)
+    against our run's warnings and trace."""
+    blis = (case_dir / "stderr.txt").read_text()
+    rejected = re.findall(r"req (request_\d+): no routable instances", blis)
+    ours = re.search(r"(\d+) request\(s\) rejected at routing: .*: (request_\d+), .*?(request_\d+)$", stderr, re.M)
+    if not rejected:
+        assert ours is None and "rejected at routing" not in stderr
+    else:
+        assert ours is not None, stderr
+        assert (int(ours.group(1)), ours.group(2), ours.group(3)) == (len(rejected), rejected[0], rejected[-1])
+        rows = list(csv.DictReader(open(trace_csv)))
+        unserved = [f"request_{r['request_id']}" for r in rows if r["status"] == "incomplete"
+                    and r["first_chunk_time_us"] == "0"]
+        assert unserved == rejected
+    # the autoscaler's lines, in order and word for word (ours add the simulated time)
+    scaling = re.compile(r"^\[(analyzer|actuator|autoscaler)\] ")
+    theirs = [m.replace('\\"', '"') for m in re.findall(r'msg="(.*)"$', blis, re.M)]
+    theirs = [m for m in theirs if scaling.match(m)]
+    mine = [re.sub(r" \(at \d+\.\d{6} s\)$", "", line.split(": ", 2)[2]) for line in stderr.splitlines()
+            if line.count(": ") >= 2 and scaling.match(line.split(": ", 2)[2])]
+    assert mine == theirs
+    case = json.loads((case_dir / "case.json").read_text())
+    if "per_instance_total_kv_blocks" not in case:   # no node pools
+        return
+    placed = len(re.findall(r"per-instance KV auto-calc for GPU", blis))
+    assert placed == len(case["per_instance_total_kv_blocks"])
+    pending = [f"instance_{i}" for i in range(placed, case["num_instances"])]
+    if pending:
+        assert f"{', '.join(pending)}: no Ready node has" in stderr
+    else:
+        assert "no Ready node has" not in stderr
 
 
 def assert_generating_run_figures(case_dir, stdout: str) -> None:

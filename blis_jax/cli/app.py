@@ -46,6 +46,7 @@ from blis_jax.errors import ConfigError, SimulationFailed
 from blis_jax.io_safety import atomic_write_text, check_command_paths, short
 from blis_jax.naming import naming
 from blis_jax.scenario import ResolvedScenario, SimulationResult, resolve, resolve_deployment, simulate
+from blis_jax.scenario.policy import apply_policy_bundle
 from blis_jax.scenario.config import (
     DEFAULT_HARDWARE,
     DEFAULT_MODEL,
@@ -520,6 +521,8 @@ def resolve_command(args, diag: Diagnostics) -> ResolvedScenario:
     """`run`'s or `replay`'s flags → the resolved scenario; errors name the flags."""
     with naming(FLAG_OF_FIELD):
         config = scenario_config(args, seed_given=_seed_given(args))
+        if config.policy_config is not None:   # BLIS: a typed flag wins over the bundle, even at its default
+            config = apply_policy_bundle(config, diag.warn, explicit=scenario_flags.given_fields(args))
         return resolve(config, warn=diag.warn)
 
 
@@ -727,7 +730,9 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
     stderr = stderr or sys.stderr
     parser = build_parser()
     try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        raw = list(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_args(raw)
+        args.given_flags = frozenset(t[2:].split("=", 1)[0] for t in raw if t.startswith("--"))
     except UsageError as e:
         stderr.write(f"{e.prog}: error: {_one_line(str(e))} (see {e.prog} --help)\n")
         return EXIT_USAGE

@@ -44,6 +44,15 @@ FLAG_OF_FIELD: dict[str, str] = {
 }
 
 
+def given_fields(args: argparse.Namespace) -> frozenset[str]:
+    """The configuration fields of the flags typed on the command line (`main` records them as
+    `args.given_flags`): a policy bundle never overrides them."""
+    from blis_jax.scenario.settings import settings_by_key
+
+    table = settings_by_key()
+    return frozenset(table[flag].field for flag in getattr(args, "given_flags", ()) if flag in table)
+
+
 def parse_coefficients(flag: str, text: str) -> tuple[float, ...]:
     """A comma-separated list of finite numbers; the error names the flag and position."""
     values = []

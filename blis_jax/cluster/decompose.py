@@ -28,7 +28,8 @@ def independent(cluster, requests: RequestSet) -> bool:
     """Whether `cluster` (a validated `ClusterConfig`) runs `requests` as independent instances."""
     return (cluster.routing_policy == "round-robin" and cluster.admission_policy == "always-admit"
             and cluster.admission_latency_us == 0 and cluster.routing_latency_us == 0 and not cluster.pd
-            and cluster.flow_control is None and cluster.num_instances >= 1 and len(requests) > 0)
+            and cluster.flow_control is None and cluster.num_instances >= 1 and len(requests) > 0
+            and not cluster.node_pools)  # pools: instances differ (KV, loading times, absent ones)
 
 
 def route(requests: RequestSet, num_instances: int, horizon_us: int | None) -> np.ndarray:

@@ -226,7 +226,8 @@ class _Decoder:
 
     def _scalar(self, node, kind, path):
         if not isinstance(node, yaml.ScalarNode):
-            self.fail(node, f"{path} must be {_TYPE_NAMES[kind]}, not a {'list' if isinstance(node, yaml.SequenceNode) else 'mapping'}")
+            shape = "list" if isinstance(node, yaml.SequenceNode) else "mapping"
+            self.fail(node, f"{path} must be {_TYPE_NAMES[kind]}, not a {shape}")
         if self._null(node):
             return None
         if kind is str:  # Go's decoder puts any scalar's text into a string field

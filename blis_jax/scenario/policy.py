@@ -2,8 +2,8 @@
 BLIS's precedence (blis-infra §6.4).
 
 * Admission, routing, scheduler and preemption keys are used only where the scenario leaves the
-  corresponding setting at its default ("the flag wins"). A setting given explicitly at its
-  default value cannot be told apart from an unset one here: the bundle's value is then used.
+  corresponding setting at its default and does not name it as explicit ("the flag wins"; the
+  CLI names its typed flags, so `--routing-policy round-robin` beats a weighted bundle).
 * `routing.scorers` are the weighted policy's scorers when the scenario names none.
 * `node_pools` and `instance_lifecycle` come from the bundle only (a scenario that sets its own
   as well is an error: one source).
@@ -14,6 +14,7 @@ BLIS's precedence (blis-infra §6.4).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from pathlib import Path
 
 from blis_jax.cluster.node_pools import InstanceLifecycle
@@ -34,9 +35,12 @@ def load_bundle(source: str | Path | PolicyBundle) -> PolicyBundle:
     return load_policy_bundle(source, where=f"{name('policy_config')} {source}")
 
 
-def apply_policy_bundle(config: ScenarioConfig, warn=None) -> ScenarioConfig:
-    """`config` with its policy bundle applied (unchanged without one); `warn(message)` receives
-    what BLIS warns about (an ignored `priority.policy`)."""
+def apply_policy_bundle(config: ScenarioConfig, warn=None, explicit: Collection[str] = ()) -> ScenarioConfig:
+    """`config` with its policy bundle applied and `policy_config` cleared (unchanged without a
+    bundle); `warn(message)` receives
+    what BLIS warns about (an ignored `priority.policy`). `explicit`: field paths
+    (`cluster.routing_policy`, `engine.scheduler`, ...) set explicitly, which the bundle never
+    overrides even when they hold their default value (the CLI's typed flags)."""
     if config.policy_config is None:
         return config
     bundle = load_bundle(config.policy_config)
@@ -50,7 +54,8 @@ def apply_policy_bundle(config: ScenarioConfig, warn=None) -> ScenarioConfig:
     changes: dict = {}
 
     def bundle_value(field: str, value) -> None:
-        if value is not None and value != "" and getattr(c, field) == getattr(default, field):
+        if (value is not None and value != "" and getattr(c, field) == getattr(default, field)
+                and f"cluster.{field}" not in explicit):
             changes[field] = value
 
     bundle_value("admission_policy", a.policy)
@@ -64,7 +69,8 @@ def apply_policy_bundle(config: ScenarioConfig, warn=None) -> ScenarioConfig:
     bundle_value("kv_cache_util_threshold", a.gaie_kv_threshold)
     bundle_value("routing_policy", bundle.routing.policy)
     policy = changes.get("routing_policy", c.routing_policy)
-    if policy == "weighted" and c.routing_scorers is None and bundle.routing.scorers:
+    if (policy == "weighted" and c.routing_scorers is None and bundle.routing.scorers
+            and "cluster.routing_scorers" not in explicit):
         changes["routing_scorers"] = bundle.routing.scorer_profile
     if bundle.autoscaler.interval_us > 0:   # its other keys count only with its own interval (§4.1)
         if c.autoscaler is not None:
@@ -77,15 +83,15 @@ def apply_policy_bundle(config: ScenarioConfig, warn=None) -> ScenarioConfig:
         changes["node_pools"] = bundle.node_pools
         changes["instance_lifecycle"] = bundle.instance_lifecycle
     e, engine_default, engine_changes = config.engine, EngineSettings(), {}
-    if bundle.scheduler and e.scheduler == engine_default.scheduler:
-        engine_changes["scheduler"] = bundle.scheduler
-    if bundle.preemption_policy and e.preemption_policy == engine_default.preemption_policy:
-        engine_changes["preemption_policy"] = bundle.preemption_policy
+    for field, value in (("scheduler", bundle.scheduler), ("preemption_policy", bundle.preemption_policy)):
+        if value and getattr(e, field) == getattr(engine_default, field) and f"engine.{field}" not in explicit:
+            engine_changes[field] = value
     try:
         engine = dataclasses.replace(e, **engine_changes)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
-    return dataclasses.replace(config, cluster=dataclasses.replace(c, **changes), engine=engine)
+    # the bundle is consumed: the result holds its effect, so resolving it again changes nothing
+    return dataclasses.replace(config, cluster=dataclasses.replace(c, **changes), engine=engine, policy_config=None)
 
 
 def _refuse_unsupported(bundle: PolicyBundle, where: str) -> None:

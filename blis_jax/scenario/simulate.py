@@ -65,7 +65,8 @@ class SimulationResult:
             extra = dict(instance_outputs=self.views.outputs, instance_requests=self.views.requests,
                          extra_sections=(format_pd_section(pd_summary(self.output, self.views)),))
         return render_stdout(self.output, self.requests, scheduler=self.scenario.scheduler,
-                             goodput_targets=self.scenario.goodput_targets, **extra)
+                             goodput_targets=self.scenario.goodput_targets,
+                             per_instance_blocks=self.scenario.cluster.num_instances > 1, **extra)
 
     def write_metrics(self, path: str | Path) -> None:
         """The aggregate JSON with `cache_hit_rate` and per-request records (`--metrics-path`)."""

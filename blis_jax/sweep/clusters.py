@@ -108,7 +108,7 @@ class ClusterScenario:
                                 block_size=s.block_size, scheduler=s.scheduler,
                                 preemption_policy=s.preemption_policy, events_per_chunk=EVENTS_PER_CHUNK,
                                 kv_bytes_per_token=s.kv_bytes_per_token, prefill_pool=s.prefill_pool,
-                                decode_pool=s.decode_pool, batch_start=BATCH_START)
+                                decode_pool=s.decode_pool, batch_start=BATCH_START, startup=s.startup)
 
     def family_key(self) -> tuple:
         """Equal for scenarios that differ at most in max-num-seqs (`shared_runs.py`): the
