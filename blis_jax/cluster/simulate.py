@@ -363,10 +363,11 @@ def _simulate_cluster_views(
                    scaling_setup.state(cd) if scaling_setup is not None else None)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         inputs = jax.device_put((params, cparams, req, deployed.model))
-        limit = 0
         while True:
-            limit += events_per_chunk
-            cs, done = advance_chunk(cd, cs, inputs, jnp.int64(limit))
+            # each instance's own budget: one that joins late (the autoscaler's) or idled long
+            # must not run more steps in a chunk than the step log holds
+            limit = jnp.asarray(np.asarray(jax.device_get(cs.instances.events)) + events_per_chunk, jnp.int64)
+            cs, done = advance_chunk(cd, cs, inputs, limit)
             cs = _read_logs(cs, readers)
             if progress is not None:
                 progress(int(np.sum(np.asarray(cs.instances.finished))), len(requests),
