@@ -7,6 +7,7 @@ new instance named, loaded and served requests)."""
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import jax
@@ -19,6 +20,7 @@ from blis_jax.cluster.autoscaler import AutoscalerConfig
 from blis_jax.cluster.node_pools import Delay, InstanceLifecycle, NodePool
 from blis_jax.cluster.simulate import ClusterConfig
 from blis_jax.scenario import Deployment, ScenarioConfig, resolve, simulate
+from blis_jax.scenario.resolve import resolve_deployment
 from blis_jax.scenario.config import SyntheticWorkload
 from blis_jax.workload.distribution import GaussianLength
 
@@ -101,3 +103,35 @@ def test_autoscaled_cluster_invariants_and_events():
     assert np.all(served[2:] > 0), "a new instance served nothing"
     assert out.status.tolist().count(3) + out.status.tolist().count(4) == len(r.requests)   # all completed
     assert all(f"autoscale-meta-llama/llama-3.1-8b-instruct-{k:06d}" in names for k in range(1, len(placed) + 1))
+
+
+def test_we9_tick_schedule():
+    """WE-9: 60 s ticks with a 200 s horizon tick at 0, 60, 120, 180 s; with no horizon, 100 ms
+    ticks stop at the first tick with no arrival pending and nothing in flight, and the run
+    ends with every request completed."""
+    from blis_jax.workload.requests import make_request_set
+
+    base = ScenarioConfig(cluster=ClusterConfig(num_instances=1, model_autoscaler_interval_us=60e6))
+    requests = make_request_set(request_id=np.arange(10), arrival_us=np.arange(10) * 7_000 + 1_000,
+                                input_len=np.full(10, 200), output_len=np.full(10, 20))
+    ticks = []
+
+    def run(config, horizon_us):
+        r = dataclasses.replace(resolve_deployment(config, horizon_us=horizon_us), requests=requests)
+        advance = csim.advance_chunk
+
+        def counted(*args):
+            cs, done = advance(*args)
+            ticks.append(int(cs.scaling.ticks))
+            return cs, done
+
+        with mock.patch.object(csim, "advance_chunk", counted):
+            return simulate(r)
+
+    run(base, 200_000_000)
+    assert ticks[-1] == 4
+    fast = dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, model_autoscaler_interval_us=100_000))
+    out = run(fast, None).output
+    assert out.completed_mask().all()
+    done_at = int((requests.arrival_us + out.e2e_us).max())
+    assert ticks[-1] == done_at // 100_000 + 2     # ticks at 0 … the first one after the last completion

@@ -64,6 +64,7 @@ class ScalingParams(eqx.Module):
 
 class ScalingState(eqx.Module):
     next_tick: Int64[Array, ""]  # INF_TIME: no further tick
+    ticks: Int32[Array, ""]  # ticks run so far
     stabilizer: asc.Stabilizer
     pending_at: Int64[Array, " P"]  # pending actuations (INF_TIME: a free entry)
     pending_order: Int32[Array, " P"]  # push order (same-time actuations run in it)
@@ -90,7 +91,7 @@ class ScalingState(eqx.Module):
 def init_state(num_models: int, slots: int, pending: int, log: int, slot_variant, first_tick_at=0) -> ScalingState:
     none = jnp.full(pending, INF_TIME, jnp.int64)
     return ScalingState(
-        next_tick=jnp.asarray(first_tick_at, jnp.int64), stabilizer=asc.Stabilizer.empty(num_models),
+        next_tick=jnp.asarray(first_tick_at, jnp.int64), ticks=jnp.int32(0), stabilizer=asc.Stabilizer.empty(num_models),
         pending_at=none, pending_order=jnp.zeros(pending, jnp.int32),
         pending_delta=jnp.zeros((pending, num_models), jnp.int32),
         pending_variant=jnp.zeros((pending, num_models), jnp.int32), pushes=jnp.int32(0),
@@ -148,7 +149,7 @@ def tick(ss: ScalingState, sp: ScalingParams, replicas: asc.Replicas, num_models
         pending_order=jnp.where(mine, new.pushes, new.pending_order),
         pending_delta=jnp.where(mine[:, None], dec.delta[None, :], new.pending_delta),
         pending_variant=jnp.where(mine[:, None], dec.variant[None, :], new.pending_variant),
-        pushes=new.pushes + actuate, scrape_draws=k + actuate,
+        pushes=new.pushes + actuate, scrape_draws=k + actuate, ticks=new.ticks + 1,
         full=new.full | (actuate & (~jnp.any(free) | (k >= sp.scrape_delay_us.shape[0]))),
         next_tick=jnp.where(sp.unbounded & ~more_to_come, INF_TIME, now + sp.interval_us))
     return _when(on, new, ss)
