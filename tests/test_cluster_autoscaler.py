@@ -8,14 +8,11 @@ new instance named, loaded and served requests)."""
 from __future__ import annotations
 
 import dataclasses
-from unittest import mock
 
-import jax
 import numpy as np
 import pytest
 
 from blis_jax.cluster import lifecycle as lc
-from blis_jax.cluster import simulate as csim
 from blis_jax.cluster.autoscaler import AutoscalerConfig
 from blis_jax.cluster.node_pools import Delay, InstanceLifecycle, NodePool
 from blis_jax.cluster.simulate import ClusterConfig
@@ -23,6 +20,8 @@ from blis_jax.scenario import Deployment, ScenarioConfig, resolve, simulate
 from blis_jax.scenario.resolve import resolve_deployment
 from blis_jax.scenario.config import SyntheticWorkload
 from blis_jax.workload.distribution import GaussianLength
+
+from cluster_helpers import after_each_chunk  # noqa: E402
 
 pytestmark = pytest.mark.slow   # one cluster compile
 
@@ -80,14 +79,7 @@ class Checker:
 def test_autoscaled_cluster_invariants_and_events():
     r = resolve(scenario())
     check = Checker(len(r.requests))
-    advance = csim.advance_chunk
-
-    def checked(*args):
-        cs, done = advance(*args)
-        check(jax.device_get(cs))
-        return cs, done
-
-    with mock.patch.object(csim, "advance_chunk", checked):
+    with after_each_chunk(check):
         result = simulate(r, events_per_chunk=150)
     out = result.output
     log = [message for _, _, message in out.cluster_log]
@@ -118,14 +110,7 @@ def test_we9_tick_schedule():
 
     def run(config, horizon_us):
         r = dataclasses.replace(resolve_deployment(config, horizon_us=horizon_us), requests=requests)
-        advance = csim.advance_chunk
-
-        def counted(*args):
-            cs, done = advance(*args)
-            ticks.append(int(cs.scaling.ticks))
-            return cs, done
-
-        with mock.patch.object(csim, "advance_chunk", counted):
+        with after_each_chunk(lambda cs: ticks.append(int(cs.scaling.ticks))):
             return simulate(r)
 
     run(base, 200_000_000)
