@@ -280,10 +280,7 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         handled_by=jnp.full(n, -1, jnp.int32),
         rejected=jnp.zeros(n, bool),
         routing_rejected=jnp.zeros(n, bool),
-        lifecycle=lifecycle_state if lifecycle_state is not None else lifecycle.Lifecycle(
-            state=jnp.where(cparams.active, lifecycle.ACTIVE, lifecycle.ABSENT).astype(jnp.int32),
-            loaded_at=jnp.full(i, INF_TIME, jnp.int64), gpus=jnp.zeros(i, jnp.int32),
-            gpu_owner=jnp.full(1, -1, jnp.int32)),
+        lifecycle=lifecycle_state if lifecycle_state is not None else lifecycle.all_active(cparams.active),
         scaling=scaling_state,
         result=jnp.asarray(0, jnp.int32),
     )

@@ -323,13 +323,8 @@ def scaling_log_lines(ss, *, model_names: list[str], slot_names: list[str], vari
     return out
 
 
-def slot_names(ss, model_names: list[str], slot_models) -> list[str]:
-    """Every slot's instance ID: `instance_<k>` for startup slots, `autoscale-<model>-<seq>`."""
-    seq = np.asarray(jax.device_get(ss.slot_seq)) if ss is not None else None
-    names = []
-    for k in range(len(slot_models)):
-        if seq is not None and seq[k] > 0:
-            names.append(f"autoscale-{model_names[int(slot_models[k])]}-{int(seq[k]):06d}")
-        else:
-            names.append(f"instance_{k}")
-    return names
+def slot_names(ss, model: str, count: int) -> list[str]:
+    """The first `count` slots' instance IDs: `instance_<k>` for a startup slot,
+    `autoscale-<model>-<seq>` for one the autoscaler filled."""
+    seq = np.asarray(jax.device_get(ss.slot_seq))
+    return [f"autoscale-{model}-{int(seq[k]):06d}" if seq[k] > 0 else f"instance_{k}" for k in range(count)]
