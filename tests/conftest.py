@@ -8,8 +8,11 @@ module: a full run compiles dozens of engine and cluster programs, and keeping t
 resident crashed a run on a small CI machine.
 """
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("BLIS_JAX_COMPILE_CACHE", "0")
 # The suite is dominated by XLA compilation (dozens of engine programs, each run briefly), and
@@ -23,6 +26,19 @@ import pytest  # noqa: E402
 
 import blis_jax  # noqa: E402, F401
 from blis_jax import executables  # noqa: E402
+
+# XLA's persistent compilation cache, for the test session only: a module whose programs were
+# dropped (below) loads them again instead of recompiling the same program, and CI points
+# BLIS_JAX_TEST_XLA_CACHE at one directory for both of its runs, so the slow suite loads what
+# the default suite compiled. Only compilation is cached: tracing still runs, so the
+# trace-count tests see every trace. `0` turns it off; unset, a temporary directory is used.
+_XLA_CACHE = os.environ.get("BLIS_JAX_TEST_XLA_CACHE")
+if _XLA_CACHE is None:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="blis-jax-test-xla-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+if _XLA_CACHE.strip().lower() not in ("0", "off", ""):
+    jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 # Modules whose compiled programs are large or many (clusters, sweeps, fits, golden runs, the
