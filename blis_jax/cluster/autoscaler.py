@@ -13,6 +13,7 @@ variants in (cost, type, TP) order), so the float64 figures are BLIS's to the bi
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import equinox as eqx
 import jax
@@ -40,25 +41,30 @@ class AnalyzerConfig:
     scale_down_boundary: float = 0.0
     avg_input_tokens: float = 0.0
 
+    def check(self, where: str = "autoscaler.analyzer") -> None:
+        """BLIS's bundle rules, in its wording: each field 0 (the default) or finite and
+        positive, kv at most 1, and the effective down boundary below the effective up
+        threshold."""
+        kv = self.kv_cache_threshold
+        if not (kv == 0 or (math.isfinite(kv) and 0 < kv <= 1)):
+            raise ConfigError(f"{where}.kv_cache_threshold must be 0 (default) or in (0, 1], got {kv:g}")
+        for key in ("scale_up_threshold", "scale_down_boundary", "avg_input_tokens"):
+            value = getattr(self, key)
+            if not (value == 0 or (math.isfinite(value) and value > 0)):
+                raise ConfigError(f"{where}.{key} must be 0 (default) or a finite number > 0, got {value:g}")
+        up = self.scale_up_threshold or DEFAULT_SCALE_UP_THRESHOLD
+        down = self.scale_down_boundary or DEFAULT_SCALE_DOWN_BOUNDARY
+        if down >= up:
+            raise ConfigError(f"{where}.scale_down_boundary ({down:g}) must be < effective scale_up_threshold ({up:g})")
+
     def effective(self) -> AnalyzerConfig:
-        """Zeros replaced by the defaults, then BLIS's checks: kv in (0, 1], up, down and avg
-        positive and finite, down < up."""
-        eff = AnalyzerConfig(
+        """Checked, with zeros replaced by the defaults."""
+        self.check()
+        return AnalyzerConfig(
             kv_cache_threshold=self.kv_cache_threshold or DEFAULT_KV_CACHE_THRESHOLD,
             scale_up_threshold=self.scale_up_threshold or DEFAULT_SCALE_UP_THRESHOLD,
             scale_down_boundary=self.scale_down_boundary or DEFAULT_SCALE_DOWN_BOUNDARY,
             avg_input_tokens=self.avg_input_tokens or DEFAULT_AVG_INPUT_TOKENS)
-        key = "autoscaler.analyzer"
-        values = dataclasses.asdict(eff)
-        for field, value in values.items():
-            if not np.isfinite(value) or value <= 0:
-                raise ConfigError(f"{key}.{field} must be a finite number > 0 (0 = default), got {value!r}")
-        if eff.kv_cache_threshold > 1:
-            raise ConfigError(f"{key}.kv_cache_threshold must be in (0, 1], got {eff.kv_cache_threshold!r}")
-        if not eff.scale_down_boundary < eff.scale_up_threshold:
-            raise ConfigError(f"{key}: scale_down_boundary ({eff.scale_down_boundary}) must be below "
-                              f"scale_up_threshold ({eff.scale_up_threshold}) (defaults 0.4 and 0.8 fill zeros)")
-        return eff
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,16 +79,21 @@ class AutoscalerConfig:
     hpa_scrape_delay: Delay = Delay()
     analyzer: AnalyzerConfig = AnalyzerConfig()
 
-    def validate(self, where: str = "autoscaler") -> AutoscalerConfig:
+    def check(self, where: str = "autoscaler") -> None:
+        """BLIS's bundle rules, in its wording (the analyzer's apply even when the interval is 0)."""
         for key in ("interval_us", "scale_up_stabilization_window_us", "scale_down_stabilization_window_us"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{where}.{key} must be a finite number >= 0, got {value!r}")
-        if 0 < self.interval_us < 1:
-            # BLIS truncates it to 0 and re-ticks at the same time forever (blis-infra §4.10 hazard 5)
-            raise ConfigError(f"{where}.interval_us must be 0 (off) or >= 1 µs, got {self.interval_us!r}")
         self.hpa_scrape_delay.check(f"{where}.hpa_scrape_delay")
-        self.analyzer.effective()
+        self.analyzer.check(f"{where}.analyzer")
+
+    def validate(self, where: str = "autoscaler") -> AutoscalerConfig:
+        """`check`, and the one rule blis-jax adds: BLIS truncates an interval below 1 µs to 0
+        and re-ticks at the same time forever (blis-infra §4.10 hazard 5)."""
+        self.check(where)
+        if 0 < self.interval_us < 1:
+            raise ConfigError(f"{where}.interval_us must be 0 (off) or >= 1 µs, got {self.interval_us!r}")
         return self
 
 

@@ -108,32 +108,11 @@ class PolicyBundle:
             seen.add(scorer)
             if not (math.isfinite(weight) and weight > 0):
                 raise ConfigError(f"routing.scorers[{i}] {scorer!r}: weight must be a finite number > 0, got {weight:g}")
-        self._validate_autoscaler()
+        self.autoscaler.check()
         for i, pool in enumerate(self.node_pools):
             pool.check(i)
         self.instance_lifecycle.check()
         return self
-
-    def _validate_autoscaler(self) -> None:
-        s = self.autoscaler
-        for key in ("interval_us", "scale_up_stabilization_window_us", "scale_down_stabilization_window_us"):
-            value = getattr(s, key)
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"autoscaler.{key} must be a finite number >= 0, got {value:g}")
-        s.hpa_scrape_delay.check("autoscaler.hpa_scrape_delay")
-        z = s.analyzer
-        if not (z.kv_cache_threshold == 0 or (math.isfinite(z.kv_cache_threshold) and 0 < z.kv_cache_threshold <= 1)):
-            raise ConfigError(f"autoscaler.analyzer.kv_cache_threshold must be 0 (default) or in (0, 1], got "
-                              f"{z.kv_cache_threshold:g}")
-        for key in ("scale_up_threshold", "scale_down_boundary", "avg_input_tokens"):
-            value = getattr(z, key)
-            if not (value == 0 or (math.isfinite(value) and value > 0)):
-                raise ConfigError(f"autoscaler.analyzer.{key} must be 0 (default) or a finite number > 0, got {value:g}")
-        up = z.scale_up_threshold or 0.8
-        down = z.scale_down_boundary or 0.4
-        if down >= up:
-            raise ConfigError(f"autoscaler.analyzer.scale_down_boundary ({down:g}) must be < effective "
-                              f"scale_up_threshold ({up:g})")
 
 
 # ------------------------------------------------------------------------------- parsing
