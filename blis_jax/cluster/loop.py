@@ -36,7 +36,7 @@ from blis_jax import latency
 from blis_jax.cluster import admission as adm
 from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import deployments, lifecycle, routing, signals
-from blis_jax.cluster import scaling
+from blis_jax.cluster import scaling, warm_up
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import scorers as sc
@@ -76,6 +76,7 @@ class ClusterDims:
     scaling_pending: int = 4
     scaling_log: int = 64
     scaling_pools: bool = False
+    warm_up: bool = False  # instance warm-up (warm_up.py, a BLIS library feature): W > 0
 
     @property
     def flow_control(self) -> bool:
@@ -167,6 +168,7 @@ class ClusterState(eqx.Module):
     routing_rejected: Bool[Array, " N"]  # no routable instance
     lifecycle: lifecycle.Lifecycle  # per-slot instance states: the routable mask (lifecycle.py)
     scaling: scaling.ScalingState | None  # the autoscaler's ticks, actuations and log (None without)
+    warm_up: warm_up.WarmUp | None  # warm-up recordings (None without)
     result: Int32[Array, ""]
 
 
@@ -248,10 +250,11 @@ def _route_request(cs: ClusterState, cd: ClusterDims, req: RequestArrays, r) -> 
 def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req: RequestArrays, model,
                  admission: adm.AbstractAdmission, routings, streams: tuple[GoStream, GoStream, GoStream],
                  snapshot_interval_us, cache_signal_delay_us, lifecycle_state: lifecycle.Lifecycle | None = None,
-                 scaling_state: scaling.ScalingState | None = None) -> ClusterState:
+                 scaling_state: scaling.ScalingState | None = None, warm_up_requests: int = 0) -> ClusterState:
     """`routings` = (the cluster's routing policy, the prefill pool's own, the decode pool's
     own); a pool's is None without scorers of its own. `lifecycle_state`: the instances'
-    initial states (node pools, loading delays); None: every existing slot Active."""
+    initial states (node pools, loading delays); None: every existing slot Active (WarmingUp
+    with warm-up). `warm_up_requests`: W (used when `cd.warm_up`)."""
     dims, i = cd.engine, cd.num_instances
     never = jnp.full(dims.num_requests, INF_TIME, jnp.int64)
     instances = jax.vmap(lambda blocks: inbox.empty(init_state(dims, req, never, params.horizon_us, blocks)))(
@@ -280,8 +283,10 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         handled_by=jnp.full(n, -1, jnp.int32),
         rejected=jnp.zeros(n, bool),
         routing_rejected=jnp.zeros(n, bool),
-        lifecycle=lifecycle_state if lifecycle_state is not None else lifecycle.all_active(cparams.active),
+        lifecycle=lifecycle_state if lifecycle_state is not None else lifecycle.all_active(
+            cparams.active, warm_up.ready_state(warm_up_requests) if cd.warm_up else lifecycle.ACTIVE),
         scaling=scaling_state,
+        warm_up=warm_up.empty(warm_up_requests, i, n) if cd.warm_up else None,
         result=jnp.asarray(0, jnp.int32),
     )
 
@@ -395,8 +400,13 @@ def _scaling_tick(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, req
 
 def _scale_actuation(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, now, on):
     ss, life = scaling.actuate(cs.scaling, cparams.scaling, cs.lifecycle, cparams.instance_model,
-                               cs.instances.events, cd.scaling_models, cd.scaling_pools, now, on)
+                               cs.instances.events, cd.scaling_models, cd.scaling_pools, now, on, _ready(cs))
     return dataclasses.replace(cs, scaling=ss, lifecycle=life)
+
+
+def _ready(cs: ClusterState):
+    """The state an instance enters instead of Active (WarmingUp with warm-up)."""
+    return lifecycle.ACTIVE if cs.warm_up is None else warm_up.ready_state(cs.warm_up.requests)
 
 
 def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, r, t_admit,
@@ -494,6 +504,9 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         handled_by=decided.handled_by.at[jnp.where(target >= 0, r, n)].set(target.astype(jnp.int32), mode="drop"),
         routed=decided.routed + (slots == target) + (disaggregated & (slots == prefill)),
     )
+    if cd.warm_up:  # a warm-up request of its instance (never a disaggregated one, §2.5)
+        decided = dataclasses.replace(decided, warm_up=warm_up.record(decided.warm_up, target, r,
+                                                                      (target >= 0) & ~disaggregated))
     return decided, jnp.where(disaggregated, prefill, target)
 
 
@@ -763,13 +776,16 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.pd:
             c = _start_transfers(c, cd, params, cparams, req, t_prefill, caught & prefill_tick)
         go = caught & ~prefill_tick & (t_cluster < INF_TIME)
+        if cd.warm_up:  # the completions so far end warm-ups (before this cluster event reads states)
+            c = dataclasses.replace(c, lifecycle=warm_up.promote(
+                c.lifecycle, c.warm_up, warm_up.completed(c.instances.out_status), caught))
         if cd.scaling:  # a drained instance whose queue and batch emptied is terminated
             c = dataclasses.replace(c, lifecycle=scaling.terminate_drained(
                 c.scaling, c.lifecycle, c.instances.wait_len, c.instances.batch_len, c.instances.events, caught))
         # same-tick order (BLIS's event priorities): instance loaded -1, admission 1, routing 2,
         # TTL expiry and transfer completion 6, dispatch tick 7, scaling tick 8, actuation 9
         is_loaded = t_loaded <= t_cluster
-        c = dataclasses.replace(c, lifecycle=lifecycle.load(c.lifecycle, t_loaded, go & is_loaded))
+        c = dataclasses.replace(c, lifecycle=lifecycle.load(c.lifecycle, t_loaded, go & is_loaded, _ready(c)))
         go = go & ~is_loaded
         if cd.admission_reads_state:
             is_admission = t_admission <= t_cluster

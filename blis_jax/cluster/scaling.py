@@ -32,6 +32,7 @@ from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import lifecycle as lc
 from blis_jax.engine import results
 from blis_jax.engine.params import INF_TIME
+from blis_jax.errors import ConfigError
 
 # event-log kinds (what BLIS logs about scaling, blis-infra §4.9)
 LOG_ZERO_CAPACITY = 1  # warning: a routable replica with no KV capacity in the snapshot (slot)
@@ -86,6 +87,15 @@ class ScalingState(eqx.Module):
     log_len: Int32[Array, ""]
     full: Bool[Array, ""]  # a capacity above overflowed (results.SCALING_FULL)
     slots_full: Bool[Array, ""]  # a scale-up found no free instance slot (results.INSTANCE_SLOTS_FULL)
+
+
+DRAIN_POLICIES = ("bare", "wait", "immediate", "redirect")
+
+
+def check_drain_policy(policy) -> None:
+    if policy not in DRAIN_POLICIES:
+        raise ConfigError(f"cluster.drain_policy (--drain-policy) {policy!r}: use one of {', '.join(DRAIN_POLICIES)} "
+                          "(bare: BLIS's CLI scale-down)")
 
 
 def init_state(num_models: int, slots: int, pending: int, log: int, slot_variant, first_tick_at=0) -> ScalingState:
@@ -167,9 +177,10 @@ def next_actuation(ss: ScalingState):
 
 
 def actuate(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, instance_model, instance_events,
-            num_models: int, pools: bool, now, on) -> tuple[ScalingState, lc.Lifecycle]:
+            num_models: int, pools: bool, now, on, ready=lc.ACTIVE) -> tuple[ScalingState, lc.Lifecycle]:
     """ScaleActuation at `now`: the next pending entry's decisions, model by model, against the
-    state at this time (blis-infra §4.7)."""
+    state at this time (blis-infra §4.7). `ready`: the state a new instance without loading
+    delay enters (WarmingUp with warm-up, warm_up.py)."""
     entry, _ = next_actuation(ss)
     new, life_new = ss, life
     failures = jnp.int32(0)
@@ -179,7 +190,7 @@ def actuate(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, instance_mo
         delta, v = ss.pending_delta[entry, m], ss.pending_variant[entry, m]
         new, life_new = _scale_down(new, sp, life_new, instance_model, instance_events, m, v, -delta, now)
         if pools:
-            new, life_new, failed, first = _scale_up(new, sp, life_new, m, v, delta, now)
+            new, life_new, failed, first = _scale_up(new, sp, life_new, m, v, delta, now, ready)
         else:
             failed, first = delta > 0, new.log_len   # the whole decision fails: no PlacementManager (INV-A2)
             new = _log(new, failed, now, LOG_NO_PLACEMENT_MANAGER, -1, m)
@@ -211,7 +222,7 @@ def _scale_down(ss, sp, life, instance_model, instance_events, m, v, count, now)
     return dataclasses.replace(ss, drained_events=jnp.where(chosen, instance_events, ss.drained_events)), life
 
 
-def _scale_up(ss, sp, life, m, v, count, now):
+def _scale_up(ss, sp, life, m, v, count, now, ready):
     """Place `count` (≤ 0: none) new instances of variant v, one attempt after another."""
     slots = life.state.shape[0]
     tp, gpu_type = sp.variant_tp[v], sp.variant_gpu_type[v]
@@ -232,7 +243,7 @@ def _scale_up(ss, sp, life, m, v, count, now):
         delay = sp.loading_delay_us[k]
         here = placed & (jnp.arange(slots) == slot)
         life = dataclasses.replace(
-            life, state=jnp.where(here, jnp.where(delay > 0, lc.LOADING, lc.ACTIVE), life.state).astype(life.state.dtype),
+            life, state=jnp.where(here, jnp.where(delay > 0, lc.LOADING, ready), life.state).astype(life.state.dtype),
             loaded_at=jnp.where(here & (delay > 0), now + delay, life.loaded_at),
             gpus=jnp.where(here, tp, life.gpus).astype(life.gpus.dtype),
             gpu_owner=jnp.where(take, slot, life.gpu_owner).astype(life.gpu_owner.dtype))

@@ -25,7 +25,7 @@ from blis_jax.cluster import lifecycle as lc
 from blis_jax.cluster import node_pools as infra
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
-from blis_jax.cluster import loop, scaling
+from blis_jax.cluster import loop, scaling, warm_up
 from blis_jax.cluster import routing as routing_policies
 from blis_jax.cluster import scorers as sc
 from blis_jax.engine import output as so
@@ -89,6 +89,14 @@ class ClusterConfig:
     # off) and alone enables an autoscaler with default settings
     autoscaler: asc.AutoscalerConfig | None = None
     model_autoscaler_interval_us: float | None = None
+    # library-only lifecycle features of BLIS (its bundle parser rejects these keys; blis-jax
+    # extensions on the CLI): warm-up (warm_up.py: instances start WarmingUp until this many
+    # requests completed on them; their first this-many routed requests' cluster-level TTFT is
+    # multiplied by the factor when > 1; 0 = off), and how the autoscaler drains an instance
+    # (scaling.py: "bare", BLIS's CLI behaviour, or the WAIT / IMMEDIATE / REDIRECT policies)
+    warm_up_request_count: int = 0
+    warm_up_ttft_factor: float = 0.0
+    drain_policy: str = "bare"
 
     def validate(self) -> ClusterConfig:
         n = self.num_instances
@@ -133,6 +141,8 @@ class ClusterConfig:
         if not isinstance(self.instance_lifecycle, infra.InstanceLifecycle):
             raise ConfigError("instance_lifecycle: expected an InstanceLifecycle")
         self.instance_lifecycle.check()
+        warm_up.check(self.warm_up_request_count, self.warm_up_ttft_factor)
+        scaling.check_drain_policy(self.drain_policy)
         if self.node_pools and self.pd:
             raise ConfigError("node_pools with prefill/decode pools are not supported yet; drop node_pools from the "
                               "policy bundle or --prefill-instances/--decode-instances")
@@ -340,6 +350,7 @@ def _simulate_cluster_views(
             transfers=bucket(64 * growth.transfers) if cluster.pd else 1, shared_pods=shared,
             admission_reads_state=cluster.admission().reads_state,
             gateway_slots=gateway_slots, gateway_bands=bands, gateway_tenants=tenants,
+            warm_up=cluster.warm_up_request_count > 0,
             **(scaling_setup.dims(growth) if scaling_setup is not None else {}),
         )
         cparams = loop.ClusterParams(
@@ -360,7 +371,8 @@ def _simulate_cluster_views(
         cs = _init(cd, params, cparams, req, deployed.model, cluster.admission(),
                    routings, streams, cluster.snapshot_refresh_interval_us,
                    cluster.cache_signal_delay_us, lifecycle0,
-                   scaling_setup.state(cd) if scaling_setup is not None else None)
+                   scaling_setup.state(cd) if scaling_setup is not None else None,
+                   warm_up_requests=cluster.warm_up_request_count)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         inputs = jax.device_put((params, cparams, req, deployed.model))
         events = np.zeros(cluster.slots, np.int64)
@@ -390,6 +402,9 @@ def _simulate_cluster_views(
     pools = ((np.asarray(prefill_role), np.asarray(decode_role), cluster.pd_transfer_contention) if cluster.pd
              else None)
     out, views = merge_outputs(cs, edims, params, requests, code, readers, built, pools)
+    if cs.warm_up is not None:  # the post-hoc warm-up penalty (cluster-level TTFTs only)
+        out = dataclasses.replace(out, ttft_adjusted_us=warm_up.adjusted_ttft(
+            out.ttft_us, np.asarray(cs.warm_up.marks[:len(requests)]), cluster.warm_up_ttft_factor))
     if lora is not None:
         out = with_adapter_counts(out, lora, cs.instances.lora_loads[:built], cs.instances.lora_evictions[:built])
     if scaling_setup is None:
@@ -419,7 +434,8 @@ def _place(deployed: deploy.InstanceDeployments, startup: infra.StartupInstances
     mml[:n] = np.where(startup.placed, startup.max_model_len, mml[:n])
     loaded_at = np.full(slots, INF_TIME, np.int64)
     loaded_at[:n] = startup.loaded_at_us
-    state = np.where(placed, np.where(loaded_at > 0, lc.LOADING, lc.ACTIVE), lc.ABSENT)
+    ready = lc.WARMING_UP if cluster.warm_up_request_count > 0 else lc.ACTIVE
+    state = np.where(placed, np.where(loaded_at > 0, lc.LOADING, ready), lc.ABSENT)
     loaded_at = np.where(state == lc.LOADING, loaded_at, INF_TIME)
     gpus = np.zeros(slots, np.int32)
     gpus[:n] = startup.gpus_held
