@@ -33,6 +33,7 @@ from blis_jax.cluster import lifecycle as lc
 from blis_jax.engine import results
 from blis_jax.engine.params import INF_TIME
 from blis_jax.errors import ConfigError
+from blis_jax.naming import name
 
 # event-log kinds (what BLIS logs about scaling, blis-infra §4.9)
 LOG_ZERO_CAPACITY = 1  # warning: a routable replica with no KV capacity in the snapshot (slot)
@@ -94,7 +95,7 @@ DRAIN_POLICIES = ("bare", "wait", "immediate", "redirect")
 
 def check_drain_policy(policy) -> None:
     if policy not in DRAIN_POLICIES:
-        raise ConfigError(f"cluster.drain_policy (--drain-policy) {policy!r}: use one of {', '.join(DRAIN_POLICIES)} "
+        raise ConfigError(f"{name('cluster.drain_policy')} {policy!r}: use one of {', '.join(DRAIN_POLICIES)} "
                           "(bare: BLIS's CLI scale-down)")
 
 

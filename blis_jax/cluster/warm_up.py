@@ -29,18 +29,18 @@ from jaxtyping import Array, Int32
 from blis_jax.cluster import lifecycle as lc
 from blis_jax.engine.status import COMPLETED, LENGTH_CAPPED
 from blis_jax.errors import ConfigError
+from blis_jax.naming import name
 
 
 def check(count, factor) -> None:
-    """BLIS's validator rules (W >= 0; f = 0 or a finite f >= 1), with field names of the library
-    config (`cluster.warm_up_request_count`, `cluster.warm_up_ttft_factor`)."""
+    """BLIS's validator rules: W >= 0; f = 0 or a finite f >= 1."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ConfigError(f"cluster.warm_up_request_count (--warm-up-requests) must be an integer >= 0 "
-                          f"(0 = no warm-up), got {count!r}")
+        raise ConfigError(f"{name('cluster.warm_up_request_count')} must be an integer >= 0 (0 = no warm-up), "
+                          f"got {count!r}")
     if (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor)
             or (factor != 0 and factor < 1)):
-        raise ConfigError(f"cluster.warm_up_ttft_factor (--warm-up-ttft-factor) must be 0 (= 1, no penalty) or a "
-                          f"finite number >= 1, got {factor!r}")
+        raise ConfigError(f"{name('cluster.warm_up_ttft_factor')} must be 0 (= 1, no penalty) or a finite number "
+                          f">= 1, got {factor!r}")
 
 
 class WarmUp(eqx.Module):
