@@ -81,6 +81,14 @@ def load(lc: Lifecycle, now, on, ready=ACTIVE) -> Lifecycle:
                      loaded_at=jnp.where(due, INF_TIME, lc.loaded_at), gpus=lc.gpus, gpu_owner=lc.gpu_owner)
 
 
+def terminate(lc: Lifecycle, done) -> Lifecycle:
+    """→ Terminated for the `done` instances, releasing their GPUs."""
+    owner = lc.gpu_owner
+    released = (owner >= 0) & done[jnp.maximum(owner, 0)]
+    return Lifecycle(state=jnp.where(done, TERMINATED, lc.state).astype(lc.state.dtype), loaded_at=lc.loaded_at,
+                     gpus=lc.gpus, gpu_owner=jnp.where(released, -1, owner).astype(owner.dtype))
+
+
 def gpus_in_use(lc: Lifecycle):
     """(GPUs allocated in the inventory, GPUs held by non-terminated instances): equal (INV-A)."""
     live = (lc.state != ABSENT) & (lc.state != TERMINATED)

@@ -36,7 +36,7 @@ from blis_jax import latency
 from blis_jax.cluster import admission as adm
 from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import deployments, lifecycle, routing, signals
-from blis_jax.cluster import scaling, warm_up
+from blis_jax.cluster import drain, scaling, warm_up
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import scorers as sc
@@ -76,6 +76,7 @@ class ClusterDims:
     scaling_pending: int = 4
     scaling_log: int = 64
     scaling_pools: bool = False
+    scaling_drain: str = "bare"  # the scale-down's drain policy (drain.py; "bare": BLIS's CLI)
     warm_up: bool = False  # instance warm-up (warm_up.py, a BLIS library feature): W > 0
 
     @property
@@ -169,6 +170,7 @@ class ClusterState(eqx.Module):
     lifecycle: lifecycle.Lifecycle  # per-slot instance states: the routable mask (lifecycle.py)
     scaling: scaling.ScalingState | None  # the autoscaler's ticks, actuations and log (None without)
     warm_up: warm_up.WarmUp | None  # warm-up recordings (None without)
+    drain: drain.DrainState | None  # a drain policy's in-flight cuts and re-arrivals (None: bare drains)
     result: Int32[Array, ""]
 
 
@@ -287,6 +289,7 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
             cparams.active, warm_up.ready_state(warm_up_requests) if cd.warm_up else lifecycle.ACTIVE),
         scaling=scaling_state,
         warm_up=warm_up.empty(warm_up_requests, i, n) if cd.warm_up else None,
+        drain=drain.empty(i, n) if cd.scaling and cd.scaling_drain != "bare" else None,
         result=jnp.asarray(0, jnp.int32),
     )
 
@@ -372,7 +375,33 @@ def next_cluster_time(cs: ClusterState, cparams, params, req):
         t = jnp.minimum(t, _gateway_time(gateway_events(cs, cparams, params, req)))
     if cs.scaling is not None:
         t = jnp.minimum(t, jnp.minimum(*_scaling_times(cs, params)))
+    if cs.drain is not None:
+        t = jnp.minimum(t, _redirect_time(cs, cparams, params)[1])
     return t
+
+
+def _redirect_time(cs: ClusterState, cparams: ClusterParams, params):
+    """(request, routing time) of the next redirected request's re-arrival (drain.py); INF_TIME
+    past the horizon or when none. Admission and routing latencies apply again."""
+    r, t = drain.next_redirect(cs.drain)
+    t_route = t + cparams.admission_latency_us + cparams.routing_latency_us
+    return r, jnp.where((t < INF_TIME) & (t_route <= params.horizon_us), t_route, INF_TIME)
+
+
+def _redirect_event(cs: ClusterState, cd: ClusterDims, params, cparams: ClusterParams, req, model, on):
+    """A redirected request re-enters admission and routing (its source is Draining: not
+    routable) and is injected into its new instance; its arrival time stays the original."""
+    r, t_route = _redirect_time(cs, cparams, params)
+    t_admit = t_route - cparams.routing_latency_us
+    n = cs.handled_by.shape[0]
+    cs = dataclasses.replace(cs, handled_by=cs.handled_by.at[jnp.where(on, r, n)].set(-1, mode="drop"),
+                             drain=drain.pop_redirect(cs.drain, r, on))
+    decided, inject_at = _decide(cs, cd, params, cparams, req, r, t_admit, t_route, on)
+    decided = dataclasses.replace(decided, next_request=cs.next_request)   # not a new arrival
+    enqueue_at = t_route + jax.vmap(latency.queueing_time_us, in_axes=(0, None))(model, req.input_len[r])
+    mine = jnp.arange(cd.num_instances) == inject_at
+    instances = jax.vmap(inbox.inject, in_axes=(0, None, None, 0, 0))(decided.instances, cd.engine, r, enqueue_at, mine)
+    return dataclasses.replace(decided, instances=instances)
 
 
 def _scaling_times(cs: ClusterState, params):
@@ -393,14 +422,21 @@ def _scaling_tick(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, req
         pending_tokens=cparams.total_kv_blocks * cd.engine.block_size)
     arrivals = cs.next_admission if (cd.admission_reads_state or cd.flow_control) else cs.next_request
     more_to_come = (arrivals < jnp.sum(req.valid)) | (jnp.sum(_in_flight(cs)) > 0)
+    if cs.drain is not None:  # redirected requests are pending arrivals
+        more_to_come = more_to_come | (drain.pending(cs.drain) > 0)
     ss = scaling.tick(cs.scaling, cparams.scaling, replicas, cd.scaling_models, now, more_to_come, on)
     return dataclasses.replace(cs, scaling=ss, snapshot=jax.tree.map(lambda a, b: jnp.where(on, a, b), snapshot,
                                                                       cs.snapshot))
 
 
-def _scale_actuation(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, now, on):
+def _scale_actuation(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, req, now, on):
     ss, life = scaling.actuate(cs.scaling, cparams.scaling, cs.lifecycle, cparams.instance_model,
                                cs.instances.events, cd.scaling_models, cd.scaling_pools, now, on, _ready(cs))
+    if cs.drain is not None:   # the drain policy acts on the instances drained now
+        drained = on & (life.state == lifecycle.DRAINING) & (cs.lifecycle.state != lifecycle.DRAINING)
+        ds, life, instances = drain.apply(cd.scaling_drain, cs.drain, life, cs.instances, cd.engine, req, drained,
+                                          scaling.byte_order_rank(ss, cparams.scaling), now)
+        cs = dataclasses.replace(cs, drain=ds, instances=instances)
     return dataclasses.replace(cs, scaling=ss, lifecycle=life)
 
 
@@ -538,8 +574,10 @@ def _cluster_router_state(cs: ClusterState, cd: ClusterDims, cparams: ClusterPar
 
 
 def _in_flight(cs: ClusterState) -> Int64[Array, " I"]:
-    """Router-owned in-flight requests per instance: routed there and not yet gone."""
-    return jnp.maximum(cs.routed - cs.instances.finished, 0)
+    """Router-owned in-flight requests per instance: routed there and not yet gone (less what a
+    drain policy took away, drain.py)."""
+    cut = 0 if cs.drain is None else cs.drain.in_flight_cut
+    return jnp.maximum(cs.routed - cs.instances.finished - cut, 0)
 
 
 # ----------------------------------------------------------------------- flow control (gateway.py)
@@ -756,6 +794,10 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.scaling:
             t_scaling_tick, t_act = _scaling_times(c, params)
             t_cluster = jnp.minimum(t_cluster, jnp.minimum(t_scaling_tick, t_act))
+        redirects = cd.scaling and cd.scaling_drain == "redirect"
+        if redirects:
+            t_redirect = _redirect_time(c, cparams, params)[1]
+            t_cluster = jnp.minimum(t_cluster, t_redirect)
         if cd.admission_reads_state:
             r_admission, t_admission = next_admission(c, cparams, params, req)
             t_cluster = jnp.minimum(t_cluster, t_admission)
@@ -801,6 +843,10 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.routes_ahead:
             c = _route_ahead(c, cd, params, cparams, req, model, go & is_arrival)
         go = go & ~is_arrival
+        if redirects:  # after the original arrivals routed at the same time (pushed earlier)
+            is_redirect = t_redirect <= t_cluster
+            c = _redirect_event(c, cd, params, cparams, req, model, go & is_redirect)
+            go = go & ~is_redirect
         if cd.flow_control:
             is_expiry = t_expiry <= t_cluster
             c = dataclasses.replace(c, gateway=gw.expire(c.gateway, expiry_slot, go & is_expiry))
@@ -818,7 +864,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
             is_scaling_tick = t_scaling_tick <= t_cluster
             c = _scaling_tick(c, cd, cparams, req, t_scaling_tick, go & is_scaling_tick)
             go = go & ~is_scaling_tick
-            c = _scale_actuation(c, cd, cparams, t_act, go & (t_act <= t_cluster))
+            c = _scale_actuation(c, cd, cparams, req, t_act, go & (t_act <= t_cluster))
         return c
 
     return masked_while(cond, body, cs, (params, lparams, cparams, req, static_out_len, model, event_limit))

@@ -203,7 +203,7 @@ def actuate(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, instance_mo
     return _when(on, new, ss), _when(on, life_new, life)
 
 
-def _byte_order_rank(ss: ScalingState, sp: ScalingParams):
+def byte_order_rank(ss: ScalingState, sp: ScalingParams):
     """Each slot's ID rank in byte order: `autoscale-…` IDs (by seq) before `instance_…` ones."""
     return jnp.where(ss.slot_seq > 0, ss.slot_seq.astype(jnp.int64), jnp.int64(1 << 40) + sp.startup_rank)
 
@@ -212,7 +212,7 @@ def _scale_down(ss, sp, life, instance_model, instance_events, m, v, count, now)
     """Drain `count` (≤ 0: none) Active instances of model m and variant v, smallest ID first."""
     count = jnp.maximum(count, 0)
     candidate = (life.state == lc.ACTIVE) & (instance_model == m) & (ss.slot_variant == v)
-    rank = jnp.where(candidate, _byte_order_rank(ss, sp), jnp.iinfo(jnp.int64).max)
+    rank = jnp.where(candidate, byte_order_rank(ss, sp), jnp.iinfo(jnp.int64).max)
     order = jnp.argsort(rank)
     position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
     chosen = candidate & (position < count)
@@ -272,10 +272,7 @@ def terminate_drained(ss: ScalingState, life: lc.Lifecycle, wait_len, batch_len,
     drain and has an empty wait queue and batch; its GPUs are released (blis-infra §2.6). Checked
     at every cluster event, so a termination lands at the first cluster event after it."""
     done = on & (life.state == lc.DRAINING) & (instance_events > ss.drained_events) & (wait_len == 0) & (batch_len == 0)
-    owner = life.gpu_owner
-    released = (owner >= 0) & done[jnp.maximum(owner, 0)]
-    return dataclasses.replace(life, state=jnp.where(done, lc.TERMINATED, life.state).astype(life.state.dtype),
-                               gpu_owner=jnp.where(released, -1, owner).astype(owner.dtype))
+    return lc.terminate(life, done)
 
 
 def overflowed(ss: ScalingState | None):

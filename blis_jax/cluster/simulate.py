@@ -25,7 +25,7 @@ from blis_jax.cluster import lifecycle as lc
 from blis_jax.cluster import node_pools as infra
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
-from blis_jax.cluster import loop, scaling, warm_up
+from blis_jax.cluster import drain, loop, scaling, warm_up
 from blis_jax.cluster import routing as routing_policies
 from blis_jax.cluster import scorers as sc
 from blis_jax.engine import output as so
@@ -36,6 +36,7 @@ from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.simulate import request_arrays, to_output, with_adapter_counts, with_lora
 from blis_jax.errors import ConfigError
+from blis_jax.naming import name
 from blis_jax.rng.go_jax import go_stream
 from blis_jax.rng.streams import DECODE_ROUTER, PREFILL_ROUTER, ROUTER, subsystem_seed
 from blis_jax.workload.requests import RequestSet
@@ -143,6 +144,13 @@ class ClusterConfig:
         self.instance_lifecycle.check()
         warm_up.check(self.warm_up_request_count, self.warm_up_ttft_factor)
         scaling.check_drain_policy(self.drain_policy)
+        if self.drain_policy != "bare" and autoscaler is None:
+            raise ConfigError(f"{name('cluster.drain_policy')} {self.drain_policy}: only the autoscaler's scale-down "
+                              f"drains instances; enable it ({name('cluster.model_autoscaler_interval_us')} or the "
+                              "policy bundle's autoscaler) or leave the drain policy at bare")
+        if self.drain_policy == "redirect" and (self.flow_control is not None or self.admission().reads_state):
+            raise ConfigError(f"{name('cluster.drain_policy')} redirect with flow control or a state-reading "
+                              "admission policy (tier-shed, gaie-legacy) is not simulated yet")
         if self.node_pools and self.pd:
             raise ConfigError("node_pools with prefill/decode pools are not supported yet; drop node_pools from the "
                               "policy bundle or --prefill-instances/--decode-instances")
@@ -464,10 +472,11 @@ class ScalingSetup:
     seed: int
     loading_delay: infra.Delay
     construction_draws: int
+    drain_policy: str = "bare"
 
     def dims(self, growth: Growth) -> dict:
         return dict(scaling=True, scaling_models=1, scaling_pending=4 * growth.scaling,
-                    scaling_log=bucket(64 * growth.scaling), scaling_pools=self.pools)
+                    scaling_log=bucket(64 * growth.scaling), scaling_pools=self.pools, scaling_drain=self.drain_policy)
 
     def params(self, growth: Growth, engine_params: EngineParams) -> scaling.ScalingParams:
         from blis_jax.rng.go_rand import GoRand
@@ -517,7 +526,7 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
             config=config, deployed=deployed, variants=[(hardware, 1, 0.0)], slot_variant=np.zeros(slots, np.int32),
             gpu_node=np.zeros(1, np.int32), gpu_type=np.full(1, -1, np.int32), variant_gpu_type=np.zeros(1, np.int32),
             node_names=[], model_names=model_names, first_new_slot=cluster.num_instances, pools=False,
-            seed=cluster.seed, loading_delay=infra.Delay(), construction_draws=0)
+            seed=cluster.seed, loading_delay=infra.Delay(), construction_draws=0, drain_policy=cluster.drain_policy)
     gpus = infra.inventory(cluster.node_pools)
     types = sorted({g.gpu_type for g in gpus})
     nodes = list(dict.fromkeys(g.node for g in gpus))
@@ -554,7 +563,7 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
         variant_gpu_type=np.asarray([types.index(t) for t, _, _ in variants], np.int32), node_names=nodes,
         model_names=model_names, first_new_slot=first_new, pools=True, seed=cluster.seed,
         loading_delay=lifecycle.loading_delay,
-        construction_draws=construction)
+        construction_draws=construction, drain_policy=cluster.drain_policy)
 
 
 def model_ids(requests: RequestSet, cluster: ClusterConfig, padded_to: int) -> dict:
@@ -644,6 +653,9 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
     if pools is not None:
         fields, views = _pd_parents(fields, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n,
                                     requests, pools)
+    if host.drain is not None:  # IMMEDIATE: discarded requests time out at their deadline (drain.py)
+        fields = drain.discarded_timeouts(fields, np.asarray(host.drain.discarded_by[:n]), requests.deadline_us,
+                                          int(params.horizon_us))
     fields["status"][np.asarray(host.rejected[:n])] = so.REJECTED
     fields["status"][np.asarray(host.routing_rejected[:n])] = so.ROUTING_REJECTED
     if host.gateway is not None:
