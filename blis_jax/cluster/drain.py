@@ -96,49 +96,37 @@ def take_waiting(state: EngineState, dims: EngineDims, req: RequestArrays, on):
     return state, r, taken, key
 
 
-def apply(policy: str, ds: DrainState, life: lc.Lifecycle, instances: EngineState, dims: EngineDims,
+def apply(ds: DrainState, policy, life: lc.Lifecycle, instances: EngineState, dims: EngineDims,
           req: RequestArrays, drained, rank, now):
-    """The policy's effect on the instances the autoscaler just moved to Draining (`drained`;
-    `rank`: their IDs' byte-order rank, the order BLIS drains them in). Returns (drain state,
-    lifecycle, instances)."""
-    if policy == "wait":   # an idle one terminates at once
-        idle = drained & (instances.wait_len == 0) & (instances.batch_len == 0)
-        return ds, lc.terminate(life, idle), instances
-    order = jnp.argsort(jnp.where(drained, rank, jnp.iinfo(jnp.int64).max))
-    ds, instances = drain_instances(ds, instances, dims, req, CODES[policy], drained, order, now)
-    if policy == "immediate":
-        life = lc.terminate(life, drained)
-    return ds, life, instances
-
-
-def drain_instances(ds: DrainState, instances: EngineState, dims: EngineDims, req: RequestArrays, policy: int,
-                    chosen, order, now):
-    """Apply an IMMEDIATE or REDIRECT drain to the `chosen` instances (`order`: the instances in
-    drain order). Returns (drain state, instances)."""
-    on = chosen & ((policy == IMMEDIATE) | (policy == REDIRECT))
-    batch = instances.batch_len.astype(jnp.int64)
+    """The policy's (a `CODES` value, dynamic: one program serves every policy) effect on the
+    instances the autoscaler just moved to Draining (`drained`; `rank`: their IDs' byte-order
+    rank, the order BLIS drains them in). Returns (drain state, lifecycle, instances)."""
+    idle = drained & (instances.wait_len == 0) & (instances.batch_len == 0)
+    immediate, redirect = policy == IMMEDIATE, policy == REDIRECT
+    on = drained & (immediate | redirect)
     new, r, taken, key = jax.vmap(take_waiting, in_axes=(0, None, None, 0))(instances, dims, req, on)
     count = jnp.sum(taken, axis=1).astype(jnp.int64)
-    cut = jnp.where(on, count + jnp.where(policy == IMMEDIATE, batch, 0), 0)
+    cut = jnp.where(on, count + jnp.where(immediate, instances.batch_len.astype(jnp.int64), 0), 0)
     i, w = taken.shape
     n = ds.redirect_at.shape[0]
-    flat_r = jnp.where(taken, r, n).reshape(-1)
-    if policy == IMMEDIATE:
-        discarded_by = ds.discarded_by.at[flat_r].set(
-            jnp.broadcast_to(jnp.arange(i, dtype=jnp.int32)[:, None], (i, w)).reshape(-1), mode="drop")
-        return dataclasses.replace(ds, in_flight_cut=ds.in_flight_cut + cut, discarded_by=discarded_by), new
+    discard = jnp.where(taken & immediate, r, n).reshape(-1)
+    again = jnp.where(taken & redirect, r, n).reshape(-1)
     # re-arrivals pushed in drain order, then queue order
+    order = jnp.argsort(jnp.where(drained, rank, jnp.iinfo(jnp.int64).max))
     position = jnp.zeros(i, jnp.int64).at[order].set(jnp.arange(i, dtype=jnp.int64))
     rank_key = jnp.where(taken, position[:, None] * (1 << 40) + (key + (1 << 20)), jnp.iinfo(jnp.int64).max).reshape(-1)
-    sorted_idx = jnp.argsort(rank_key)
-    rank = jnp.zeros(i * w, jnp.int32).at[sorted_idx].set(jnp.arange(i * w, dtype=jnp.int32))
-    ds = dataclasses.replace(
-        ds, in_flight_cut=ds.in_flight_cut + cut,
-        redirect_at=ds.redirect_at.at[flat_r].set(jnp.asarray(now, jnp.int64), mode="drop"),
-        redirect_seq=ds.redirect_seq.at[flat_r].set(ds.pushes + rank, mode="drop"),
-        redirects=ds.redirects.at[flat_r].add(1, mode="drop"),
-        pushes=ds.pushes + jnp.sum(taken).astype(jnp.int32))
-    return ds, new
+    seq = jnp.zeros(i * w, jnp.int32).at[jnp.argsort(rank_key)].set(jnp.arange(i * w, dtype=jnp.int32))
+    ds = DrainState(
+        in_flight_cut=ds.in_flight_cut + cut,
+        redirect_at=ds.redirect_at.at[again].set(jnp.asarray(now, jnp.int64), mode="drop"),
+        redirect_seq=ds.redirect_seq.at[again].set(ds.pushes + seq, mode="drop"),
+        pushes=ds.pushes + jnp.where(redirect, jnp.sum(taken), 0).astype(jnp.int32),
+        discarded_by=ds.discarded_by.at[discard].set(
+            jnp.broadcast_to(jnp.arange(i, dtype=jnp.int32)[:, None], (i, w)).reshape(-1), mode="drop"),
+        redirects=ds.redirects.at[again].add(1, mode="drop"))
+    # WAIT: an idle instance terminates at once; IMMEDIATE: every drained one
+    life = lc.terminate(life, (idle & (policy == WAIT)) | (drained & immediate))
+    return ds, life, new
 
 
 def next_redirect(ds: DrainState):

@@ -76,7 +76,7 @@ class ClusterDims:
     scaling_pending: int = 4
     scaling_log: int = 64
     scaling_pools: bool = False
-    scaling_drain: str = "bare"  # the scale-down's drain policy (drain.py; "bare": BLIS's CLI)
+    scaling_drain: bool = False  # a drain policy other than BLIS's CLI's bare drain (drain.py)
     warm_up: bool = False  # instance warm-up (warm_up.py, a BLIS library feature): W > 0
 
     @property
@@ -289,7 +289,7 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
             cparams.active, warm_up.ready_state(warm_up_requests) if cd.warm_up else lifecycle.ACTIVE),
         scaling=scaling_state,
         warm_up=warm_up.empty(warm_up_requests, i, n) if cd.warm_up else None,
-        drain=drain.empty(i, n) if cd.scaling and cd.scaling_drain != "bare" else None,
+        drain=drain.empty(i, n) if cd.scaling and cd.scaling_drain else None,
         result=jnp.asarray(0, jnp.int32),
     )
 
@@ -434,8 +434,8 @@ def _scale_actuation(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, 
                                cs.instances.events, cd.scaling_models, cd.scaling_pools, now, on, _ready(cs))
     if cs.drain is not None:   # the drain policy acts on the instances drained now
         drained = on & (life.state == lifecycle.DRAINING) & (cs.lifecycle.state != lifecycle.DRAINING)
-        ds, life, instances = drain.apply(cd.scaling_drain, cs.drain, life, cs.instances, cd.engine, req, drained,
-                                          scaling.byte_order_rank(ss, cparams.scaling), now)
+        ds, life, instances = drain.apply(cs.drain, cparams.scaling.drain_policy, life, cs.instances, cd.engine, req,
+                                          drained, scaling.byte_order_rank(ss, cparams.scaling), now)
         cs = dataclasses.replace(cs, drain=ds, instances=instances)
     return dataclasses.replace(cs, scaling=ss, lifecycle=life)
 
@@ -794,7 +794,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.scaling:
             t_scaling_tick, t_act = _scaling_times(c, params)
             t_cluster = jnp.minimum(t_cluster, jnp.minimum(t_scaling_tick, t_act))
-        redirects = cd.scaling and cd.scaling_drain == "redirect"
+        redirects = cd.scaling and cd.scaling_drain
         if redirects:
             t_redirect = _redirect_time(c, cparams, params)[1]
             t_cluster = jnp.minimum(t_cluster, t_redirect)

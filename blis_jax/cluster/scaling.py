@@ -62,6 +62,7 @@ class ScalingParams(eqx.Module):
     startup_rank: Int64[Array, " I"]  # byte-order rank of each startup slot's ID among `instance_<k>`
     first_new_slot: Int32[Array, ""]  # autoscaler-created instances take slots from here on
     unbounded: Bool[Array, ""]  # no horizon: ticks stop once nothing is pending or in flight
+    drain_policy: Int32[Array, ""] = None  # drain.CODES (with ClusterDims.scaling_drain)
 
 
 class ScalingState(eqx.Module):

@@ -476,7 +476,8 @@ class ScalingSetup:
 
     def dims(self, growth: Growth) -> dict:
         return dict(scaling=True, scaling_models=1, scaling_pending=4 * growth.scaling,
-                    scaling_log=bucket(64 * growth.scaling), scaling_pools=self.pools, scaling_drain=self.drain_policy)
+                    scaling_log=bucket(64 * growth.scaling), scaling_pools=self.pools,
+                    scaling_drain=self.drain_policy != "bare")
 
     def params(self, growth: Growth, engine_params: EngineParams) -> scaling.ScalingParams:
         from blis_jax.rng.go_rand import GoRand
@@ -506,7 +507,8 @@ class ScalingSetup:
             loading_delay_us=table(self.loading_delay, INSTANCE_LOADING, self.construction_draws),
             gpu_node=jnp.asarray(self.gpu_node, jnp.int32), gpu_type=jnp.asarray(self.gpu_type, jnp.int32),
             startup_rank=jnp.asarray(rank), first_new_slot=jnp.asarray(self.first_new_slot, jnp.int32),
-            unbounded=jnp.asarray(int(engine_params.horizon_us) >= INF_TIME))
+            unbounded=jnp.asarray(int(engine_params.horizon_us) >= INF_TIME),
+            drain_policy=jnp.asarray(drain.CODES[self.drain_policy], jnp.int32) if self.drain_policy != "bare" else None)
 
     def state(self, cd: loop.ClusterDims) -> scaling.ScalingState:
         ss = scaling.init_state(cd.scaling_models, cd.num_instances, cd.scaling_pending, cd.scaling_log,
