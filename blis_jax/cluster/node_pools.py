@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from blis_jax.cluster import lifecycle as lc
 from blis_jax.errors import ConfigError
 
 
@@ -155,6 +156,30 @@ def inventory(pools) -> tuple[Gpu, ...]:
     return tuple(Gpu(id=f"{p.name}-{k}-gpu-{g}", node=f"{p.name}-{k}", pool=p.name, gpu_type=p.gpu_type,
                      memory_gib=float(p.gpu_memory_gib))
                  for p in pools for k in range(p.initial_nodes) for g in range(p.gpus_per_node))
+
+
+# instance states that hold GPUs in the inventory
+_HOLDING = (lc.LOADING, lc.WARMING_UP, lc.ACTIVE, lc.DRAINING)
+
+
+def free_gpu_slots(ready_gpus: dict[str, int], instances, cluster_tp: int) -> dict[tuple[str, int], int]:
+    """The autoscaler's GPU inventory (blis-infra §4.5; computed by BLIS at every tick for its
+    library-only greedy engine, ignored by the unlimited engine it wires): free GPU slots per
+    variant (GPU type, TP). `ready_gpus`: GPUs of Ready nodes per type (empty without node
+    pools); `instances`: (GPU type, TP, lifecycle state code) per constructed instance. Listed:
+    (type, max(cluster TP, 1)) for every type with Ready GPUs, and every (type, TP) of a live
+    instance with TP > 0; free = Ready GPUs of the type − Σ TP of its GPU-holding instances,
+    clamped at 0."""
+    if not ready_gpus:
+        return {}
+    used: dict[str, int] = {}
+    variants = [(t, max(cluster_tp, 1)) for t in ready_gpus]
+    for gpu_type, tp, state in instances:
+        if state in _HOLDING:
+            used[gpu_type] = used.get(gpu_type, 0) + tp
+            if tp > 0 and (gpu_type, tp) not in variants:
+                variants.append((gpu_type, tp))
+    return {(t, tp): max(ready_gpus.get(t, 0) - used.get(t, 0), 0) for t, tp in variants}
 
 
 @dataclasses.dataclass(frozen=True)
