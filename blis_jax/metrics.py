@@ -324,6 +324,8 @@ def goodput_fields(out: SimOutput, requests: RequestSet,
     total_good = total_injected = 0
     for cls in sorted(targets):
         injected = int((arrived & (classes == cls)).sum())
+        if out.extra_arrivals is not None:   # redirected (twice) and discarded requests (drain policies)
+            injected += int(out.extra_arrivals[classes == cls].sum())
         if injected == 0:
             continue
         rows = done & (classes == cls)

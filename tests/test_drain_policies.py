@@ -23,12 +23,13 @@ from blis_jax.cluster.gateway import FlowControlConfig
 from blis_jax.cluster.simulate import ClusterConfig
 from blis_jax.engine import output as so
 from blis_jax.errors import ConfigError
-from blis_jax.metrics import metrics_output
+from blis_jax.metrics import goodput_fields, metrics_output
 from blis_jax.workload.requests import make_request_set
 
 from cluster_helpers import after_each_chunk  # noqa: E402
 
 N, PROMPT = 20, 100
+EVERYTHING_GOOD = {"default": {"e2e_ms": 1e12}}
 
 
 def test_validation():
@@ -116,6 +117,8 @@ def test_immediate(runs):
     assert int((out.status == so.NOT_ARRIVED).sum()) == 8   # the discarded queue: no outcome, no counter
     assert m["total_input_tokens"] == N * PROMPT             # counted at their enqueue, not again
     assert states == [lc.TERMINATED, lc.ACTIVE] and cut == [10, 0]   # in-flight −= queue (8) + batch (2)
+    # BLIS counted the discarded requests' arrivals: goodput's denominator has all 20
+    assert goodput_fields(out, requests, EVERYTHING_GOOD)["slo_attainment"] == 12 / 20
     # with deadlines the discarded requests time out on instance_0 at their deadline
     out, requests, _ = runs["immediate", 5_000_000]
     m = _conserved(out, requests, N)
@@ -132,6 +135,8 @@ def test_redirect_we8(runs):
     assert np.bincount(out.handled_by, minlength=2).tolist() == [2, 18]
     assert m["total_input_tokens"] == (N + 8) * PROMPT   # the destination counts them again
     assert states == [lc.TERMINATED, lc.ACTIVE] and cut == [8, 0]
+    # a redirected request arrives twice: the per-class injected count (goodput's denominator) has 28
+    assert goodput_fields(out, requests, EVERYTHING_GOOD)["slo_attainment"] == 20 / 28
     # the original arrival is kept: the redirected requests' TTFT includes their time on the source
     redirected = (out.handled_by == 1) & (np.arange(N) % 2 == 0)
     assert int(redirected.sum()) == 8

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int32, Int64
 
-from blis_jax.engine import lora
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.params import INF_TIME
 from blis_jax.cluster import lifecycle as lc
@@ -78,9 +77,11 @@ def take_waiting(state: EngineState, dims: EngineDims, req: RequestArrays, on):
     row = state.win_row[slot]
     has_row = taken & (row >= 0)
     at_row = jnp.where(has_row, row, dims.rows)
-    if dims.lora_slots:  # a preempted request holds its adapter (as at a timeout)
-        for j in range(w):  # noqa: B007 (w is small in programs with LoRA and the autoscaler)
-            state = lora.pin(state, req.adapter[jnp.maximum(r[j], 0)], -1, has_row[j])
+    if dims.lora_slots:  # a preempted request holds its adapter (as at a timeout): unpin
+        adapter = req.adapter[jnp.maximum(r, 0)]
+        na = state.lora_pins.shape[0]
+        at = jnp.where(has_row & (adapter >= 0), jnp.maximum(adapter, 0), na)
+        state = dataclasses.replace(state, lora_pins=state.lora_pins.at[at].add(-1, mode="drop"))
     state = dataclasses.replace(
         state,
         win_status=state.win_status.at[jnp.where(taken, slot, w)].set(NOT_ARRIVED, mode="drop"),
@@ -144,6 +145,13 @@ def pop_redirect(ds: DrainState, r, on) -> DrainState:
 
 def pending(ds: DrainState):
     return jnp.sum(ds.redirect_at < INF_TIME)
+
+
+def extra_arrivals(ds, status: np.ndarray, n: int) -> np.ndarray:
+    """Per request, the cluster arrivals its final status does not show: one per redirection,
+    and one for a discarded request that kept no outcome (BLIS counted its arrival)."""
+    discarded = (np.asarray(ds.discarded_by[:n]) >= 0) & (status == NOT_ARRIVED)
+    return np.asarray(ds.redirects[:n], np.int64) + discarded
 
 
 def discarded_timeouts(fields: dict, discarded_by: np.ndarray, deadline_us: np.ndarray, horizon_us: int) -> dict:

@@ -662,6 +662,8 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
     fields["status"][np.asarray(host.routing_rejected[:n])] = so.ROUTING_REJECTED
     if host.gateway is not None:
         fields.update(_gateway_outcomes(fields["status"], host.gateway, n))
+    if host.drain is not None:
+        fields["extra_arrivals"] = drain.extra_arrivals(host.drain, fields["status"], n)
     return so.SimOutput(**fields, result=code, hol_blocking_events=hol_blocking_events(
         np.asarray(host.instances.wait_depth_sum[:num_instances]), np.asarray(host.instances.steps[:num_instances]))
     ), views

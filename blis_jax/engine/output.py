@@ -105,6 +105,10 @@ class SimOutput:
     # warm-up (cluster/warm_up.py): the cluster-level TTFT of every request after the post-hoc
     # penalty (float64 µs); None: no penalty applied (then `ttft_us` is the cluster's too)
     ttft_adjusted_us: np.ndarray | None = None
+    # drain policies (cluster/drain.py): arrivals at the cluster a request's status does not show
+    # (a redirected request arrives again; a discarded one keeps no status), per request; they
+    # count in goodput denominators as BLIS's per-class injected counter does. None: none
+    extra_arrivals: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():
@@ -123,6 +127,11 @@ class SimOutput:
             if adjusted.shape != self.ttft_us.shape:
                 raise ConfigError(f"SimOutput.ttft_adjusted_us: shape {adjusted.shape}, expected {self.ttft_us.shape}")
             object.__setattr__(self, "ttft_adjusted_us", adjusted)
+        if self.extra_arrivals is not None:
+            extra = _frozen(np.asarray(self.extra_arrivals).reshape(-1), np.int64)
+            if extra.shape != self.ttft_us.shape:
+                raise ConfigError(f"SimOutput.extra_arrivals: shape {extra.shape}, expected {self.ttft_us.shape}")
+            object.__setattr__(self, "extra_arrivals", extra)
         self.validate()
 
     @property
@@ -181,6 +190,8 @@ class SimOutput:
             fields["gateway_delay_us"] = self.gateway_delay_us[rows]
         if self.ttft_adjusted_us is not None:
             fields["ttft_adjusted_us"] = self.ttft_adjusted_us[rows]
+        if self.extra_arrivals is not None:
+            fields["extra_arrivals"] = self.extra_arrivals[rows]
         fields["itl_runs"] = runs
         return SimOutput(**fields)
 
