@@ -147,3 +147,55 @@ def test_we7_one_instance_warm_up_run():
     assert states[0] == lc.WARMING_UP and states[-1] == lc.ACTIVE
     assert all(s == lc.WARMING_UP or c >= 2 for s, c in zip(states, completions)), list(zip(states, completions))
     assert set(states) == {lc.WARMING_UP, lc.ACTIVE}
+
+
+@pytest.mark.slow   # compiles a cluster program
+def test_warm_up_with_node_pools_loading_and_the_autoscaler():
+    """Loading → WarmingUp (not Active) with W > 0, the autoscaler's own instances too; only
+    instances past their warm-up (W completions) are Active, hence drained; INV-A holds."""
+    from blis_jax.cluster.node_pools import Delay, InstanceLifecycle, NodePool
+    from blis_jax.scenario import ScenarioConfig, simulate
+    from blis_jax.scenario.config import SyntheticWorkload
+    from blis_jax.workload.distribution import GaussianLength
+
+    w = 3
+    scenario = ScenarioConfig(
+        workload=SyntheticWorkload(rate=40.0, num_requests=200, prompt=GaussianLength(200, 50, 16, 400),
+                                   output=GaussianLength(40, 10, 8, 80)),
+        cluster=ClusterConfig(num_instances=2, node_pools=(
+            NodePool(name="p", gpu_type="H100", gpus_per_node=4, gpu_memory_gib=80.0, initial_nodes=1, max_nodes=1),),
+            instance_lifecycle=InstanceLifecycle(loading_delay=Delay(mean=1.0, stddev=0.3)),
+            model_autoscaler_interval_us=1_000_000, warm_up_request_count=w, warm_up_ttft_factor=1.5), seed=2)
+    previous, seen = None, set()
+    recorded = None
+
+    def check(cs):
+        nonlocal previous, recorded
+        state = np.asarray(cs.lifecycle.state)
+        done = np.asarray(warm_up.completed(cs.instances.out_status))
+        if previous is not None:
+            assert all(a == b or lc.allowed(a, b) for a, b in zip(previous, state)), (previous, state)
+            assert not np.any((previous == lc.LOADING) & (state == lc.ACTIVE) & (done < w))
+        past_warm_up = (state == lc.ACTIVE) | (state == lc.DRAINING) | (state == lc.TERMINATED)
+        assert np.all(done[past_warm_up] >= w), (state, done)
+        in_use, held = (int(x) for x in lc.gpus_in_use(cs.lifecycle))
+        assert in_use == held
+        seen.update(state.tolist())
+        previous = state
+        recorded = np.asarray(cs.warm_up.recorded), np.asarray(cs.warm_up.marks), np.asarray(cs.handled_by)
+
+    with after_each_chunk(check):
+        result = simulate(scenario, events_per_chunk=50)
+    out, requests = result.output, result.requests
+    assert {lc.LOADING, lc.WARMING_UP, lc.ACTIVE} <= seen
+    assert any("scale-down" in line[2] for line in out.cluster_log)
+    per_instance, marks, handled = recorded
+    routed = np.bincount(handled[handled >= 0], minlength=per_instance.shape[0])
+    assert per_instance.tolist() == np.minimum(routed, w).tolist()   # the first W routed to each instance
+    marked = np.flatnonzero(marks[:len(requests)] > 0)
+    for i in range(per_instance.shape[0]):   # ... in routing (arrival) order
+        mine = np.flatnonzero(handled[:len(requests)] == i)
+        assert marked[handled[marked] == i].tolist() == mine[:w].tolist()
+    has = out.ttft_us >= 0
+    factor = np.where(marks[:len(requests)] > 0, 1.5, 1.0)
+    assert np.array_equal(out.cluster_ttft_us[has], out.ttft_us[has] * factor[has])

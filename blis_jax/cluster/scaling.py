@@ -10,6 +10,9 @@ takes the next free instance slot, starts Loading for a sampled delay and become
 through an InstanceLoaded event (lifecycle.py). Without node pools every scale-up fails, as in
 BLIS.
 
+How a drained instance's work ends is the drain policy's (drain.py): BLIS's CLI drain
+("bare") or its library-only WAIT / IMMEDIATE / REDIRECT policies.
+
 Random draws (scrape delays from the `autoscaler` stream, the new instances' loading delays
 from `instance-loading`) are made on the host in stream order; the loop takes the k-th of each.
 What BLIS logs about scaling is kept in a bounded event log (`LOG_*` kinds) and rendered on the
