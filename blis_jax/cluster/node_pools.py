@@ -152,11 +152,14 @@ class Gpu:
     memory_gib: float
 
 
-def inventory(pools) -> tuple[Gpu, ...]:
-    """Every GPU of the initial nodes, in pool, node, GPU-index order (first-fit order)."""
+def inventory(pools, provisionable: bool = False) -> tuple[Gpu, ...]:
+    """Every GPU of the initial nodes, in pool, node, GPU-index order (first-fit order); with
+    `provisionable`, of every node a pool may have (`max_nodes`: its provisioned nodes continue
+    the pool's node counter, after its initial ones)."""
     return tuple(Gpu(id=f"{p.name}-{k}-gpu-{g}", node=f"{p.name}-{k}", pool=p.name, gpu_type=p.gpu_type,
                      memory_gib=float(p.gpu_memory_gib))
-                 for p in pools for k in range(p.initial_nodes) for g in range(p.gpus_per_node))
+                 for p in pools for k in range(max(p.max_nodes, p.initial_nodes) if provisionable else p.initial_nodes)
+                 for g in range(p.gpus_per_node))
 
 
 # instance states that hold GPUs in the inventory

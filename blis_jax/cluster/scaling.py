@@ -29,7 +29,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int32, Int64
+from jaxtyping import Array, Bool, Float64, Int32, Int64
 
 from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import lifecycle as lc
@@ -46,6 +46,7 @@ LOG_NO_PLACEMENT_MANAGER = 4  # error: scale-up without node pools (model)
 LOG_PLACED = 5  # info: scale-up placed an instance (slot, model, value = node)
 LOG_PLACE_FAILED = 6  # error: no Ready node has the GPUs (model, variant, value = seq)
 LOG_APPLY_FAILED = 7  # error: summary of an actuation's failures (value = count, slot = first failure's entry)
+LOG_PROVISIONING = 8  # info (extension): a node is provisioned after a failed placement (value = node, slot = ready µs)
 
 
 class ScalingParams(eqx.Module):
@@ -66,6 +67,14 @@ class ScalingParams(eqx.Module):
     first_new_slot: Int32[Array, ""]  # autoscaler-created instances take slots from here on
     unbounded: Bool[Array, ""]  # no horizon: ticks stop once nothing is pending or in flight
     drain_policy: Int32[Array, ""] = None  # drain.CODES (with ClusterDims.scaling_drain)
+    # node provisioning (a blis-jax extension, ClusterConfig.provision_nodes): per node of the
+    # inventory, whether it exists at t = 0, its pool's provisioning delay, and standard normal
+    # draws of the `node-provisioning` stream (taken in provisioning order, by pools with stddev > 0)
+    node_initial: Bool[Array, " Nodes"] = None
+    node_type: Int32[Array, " Nodes"] = None
+    node_delay_mean_s: Float64[Array, " Nodes"] = None
+    node_delay_std_s: Float64[Array, " Nodes"] = None
+    provisioning_normals: Float64[Array, " K"] = None
 
 
 class ScalingState(eqx.Module):
@@ -92,6 +101,8 @@ class ScalingState(eqx.Module):
     log_len: Int32[Array, ""]
     full: Bool[Array, ""]  # a capacity above overflowed (results.SCALING_FULL)
     slots_full: Bool[Array, ""]  # a scale-up found no free instance slot (results.INSTANCE_SLOTS_FULL)
+    node_ready_at: Int64[Array, " Nodes"] | None = None  # provisioning: when each node is Ready (INF_TIME: none)
+    provisioning_draws: Int32[Array, ""] | None = None
 
 
 DRAIN_POLICIES = ("bare", "wait", "immediate", "redirect")
@@ -238,6 +249,8 @@ def _scale_up(ss, sp, life, m, v, count, now, ready):
         on = j < count
         seq = ss.seq + 1
         free = (life.gpu_owner < 0) & (sp.gpu_type == gpu_type)
+        if ss.node_ready_at is not None:  # provisioning: only Ready nodes take instances
+            free = free & (ss.node_ready_at[sp.gpu_node] <= now)
         per_node = jax.ops.segment_sum(free.astype(jnp.int32), sp.gpu_node, num_segments=nodes)
         fits = per_node >= tp
         node = jnp.argmax(fits)
@@ -262,10 +275,37 @@ def _scale_up(ss, sp, life, m, v, count, now, ready):
         no_room = on & ~jnp.any(fits)
         first = jnp.where(no_room & (first < 0), ss.log_len, first)
         ss = _log(ss, no_room, now, LOG_PLACE_FAILED, -1, m, seq.astype(jnp.int64) * 65536 + v)
+        if ss.node_ready_at is not None:
+            ss = _provision(ss, sp, gpu_type, no_room, now)
         return ss, life, failed + no_room.astype(jnp.int32), first
 
     ss, life, failed, first = jax.lax.fori_loop(0, slots, attempt, (ss, life, jnp.int32(0), jnp.int32(-1)))
     return ss, life, failed, first
+
+
+def _provision(ss: ScalingState, sp: ScalingParams, gpu_type, failed, now) -> ScalingState:
+    """Node provisioning, a blis-jax extension beyond BLIS (whose library can provision nodes
+    but whose autoscaler never does): a placement that found no room provisions the first
+    not-yet-provisioned node (pools in declaration order, up to `max_nodes`) of the variant's
+    GPU type, unless one of that type is already provisioning. It is Ready after a delay drawn
+    as BLIS draws provisioning delays (blis-infra §1.3, stream `node-provisioning`); the failed
+    replica is dropped as in BLIS, and a later scale-up places on the new node once Ready."""
+    ready = ss.node_ready_at
+    mine = sp.node_type == gpu_type
+    busy = jnp.any(mine & (ready > now) & (ready < INF_TIME))
+    candidate = mine & ~sp.node_initial & (ready >= INF_TIME)
+    go = failed & ~busy & jnp.any(candidate)
+    node = jnp.argmax(candidate)
+    k = ss.provisioning_draws
+    cap = sp.provisioning_normals.shape[0]
+    std, mean = sp.node_delay_std_s[node], sp.node_delay_mean_s[node]
+    draws = std > 0
+    secs = jnp.where(draws, jnp.maximum(sp.provisioning_normals[jnp.minimum(k, cap - 1)] * std + mean, 0.0), mean)
+    delay = jnp.where(jnp.isfinite(secs), jnp.trunc(secs * 1e6), 0.0).astype(jnp.int64)
+    at = jnp.where(go, node, ready.shape[0])
+    ss = dataclasses.replace(ss, node_ready_at=ready.at[at].set(now + delay, mode="drop"),
+                             provisioning_draws=k + (go & draws), full=ss.full | (go & draws & (k >= cap)))
+    return _log(ss, go, now, LOG_PROVISIONING, node, -1, now + delay)
 
 
 # ------------------------------------------------------------------------------ drain completion
@@ -324,6 +364,9 @@ def scaling_log_lines(ss, *, model_names: list[str], slot_names: list[str], vari
             level, text = "error", (f'[actuator] scale-up for model "{m}" variant {{{gpu} {tp}}}: PlaceInstance '
                                     f"failed: PlaceInstance autoscale-{m}-{seq:06d}: no Ready node has {tp} free "
                                     f"{gpu} GPUs (INV-A2)")
+        elif kind == LOG_PROVISIONING:
+            level, text = "info", (f"[autoscaler] provisioning node {node_names[slot]} after a failed placement "
+                                   f"(blis-jax extension): Ready at {value} µs")
         elif kind == LOG_APPLY_FAILED:
             first = messages[slot] if 0 <= slot < len(messages) else ""
             first = first.split("] ", 1)[1] if "] " in first else first

@@ -98,6 +98,10 @@ class ClusterConfig:
     warm_up_request_count: int = 0
     warm_up_ttft_factor: float = 0.0
     drain_policy: str = "bare"
+    # a blis-jax extension beyond BLIS (whose autoscaler never provisions nodes): a scale-up
+    # that finds no room provisions a node of the pool (up to `max_nodes`, Ready after the
+    # pool's `provisioning_delay` drawn from the `node-provisioning` stream; scaling.py)
+    provision_nodes: bool = False
 
     def validate(self) -> ClusterConfig:
         n = self.num_instances
@@ -148,6 +152,9 @@ class ClusterConfig:
             raise ConfigError(f"{name('cluster.drain_policy')} {self.drain_policy}: only the autoscaler's scale-down "
                               f"drains instances; enable it ({name('cluster.model_autoscaler_interval_us')} or the "
                               "policy bundle's autoscaler) or leave the drain policy at bare")
+        if self.provision_nodes and (autoscaler is None or not self.node_pools):
+            raise ConfigError(f"{name('cluster.provision_nodes')}: only the autoscaler's scale-up provisions nodes, on "
+                              "node pools; enable the autoscaler and give node_pools (with max_nodes > initial_nodes)")
         if self.drain_policy == "redirect" and (self.flow_control is not None or self.admission().reads_state):
             raise ConfigError(f"{name('cluster.drain_policy')} redirect with flow control or a state-reading "
                               "admission policy (tier-shed, gaie-legacy) is not simulated yet")
@@ -332,6 +339,8 @@ def _simulate_cluster_views(
                      if autoscaler is not None else None)
     if scaling_setup is not None:
         deployed = scaling_setup.deployed
+        if scaling_setup.provisioning is not None:   # the provisionable inventory's GPU owners
+            lifecycle0 = dataclasses.replace(lifecycle0, gpu_owner=jnp.asarray(scaling_setup.provisioning["owner"]))
     gateway, bands, tenants = (gw.make_params(cluster.flow_control, requests, cluster.queue_depth_threshold,
                                               cluster.kv_cache_util_threshold)
                                if cluster.flow_control is not None else (None, 1, 1))
@@ -473,6 +482,7 @@ class ScalingSetup:
     loading_delay: infra.Delay
     construction_draws: int
     drain_policy: str = "bare"
+    provisioning: dict | None = None  # node provisioning (an extension): per-node arrays, remapped GPU owners
 
     def dims(self, growth: Growth) -> dict:
         return dict(scaling=True, scaling_models=1, scaling_pending=4 * growth.scaling,
@@ -508,11 +518,28 @@ class ScalingSetup:
             gpu_node=jnp.asarray(self.gpu_node, jnp.int32), gpu_type=jnp.asarray(self.gpu_type, jnp.int32),
             startup_rank=jnp.asarray(rank), first_new_slot=jnp.asarray(self.first_new_slot, jnp.int32),
             unbounded=jnp.asarray(int(engine_params.horizon_us) >= INF_TIME),
-            drain_policy=jnp.asarray(drain.CODES[self.drain_policy], jnp.int32) if self.drain_policy != "bare" else None)
+            drain_policy=jnp.asarray(drain.CODES[self.drain_policy], jnp.int32) if self.drain_policy != "bare" else None,
+            **self._provisioning_params(draws))
+
+    def _provisioning_params(self, draws: int) -> dict:
+        from blis_jax.rng.go_rand import GoRand
+        from blis_jax.rng.streams import NODE_PROVISIONING
+
+        if self.provisioning is None:
+            return {}
+        p = self.provisioning
+        rng = GoRand(subsystem_seed(self.seed, NODE_PROVISIONING))
+        return dict(node_initial=jnp.asarray(p["initial"]), node_type=jnp.asarray(p["type"], jnp.int32),
+                    node_delay_mean_s=jnp.asarray(p["mean"], jnp.float64),
+                    node_delay_std_s=jnp.asarray(p["std"], jnp.float64),
+                    provisioning_normals=jnp.asarray([rng.norm_float64() for _ in range(draws)], jnp.float64))
 
     def state(self, cd: loop.ClusterDims) -> scaling.ScalingState:
         ss = scaling.init_state(cd.scaling_models, cd.num_instances, cd.scaling_pending, cd.scaling_log,
                                 self.slot_variant)
+        if self.provisioning is not None:
+            ss = dataclasses.replace(ss, node_ready_at=jnp.asarray(np.where(self.provisioning["initial"], 0, INF_TIME),
+                                                                   jnp.int64), provisioning_draws=jnp.int32(0))
         return dataclasses.replace(ss, next_slot=jnp.asarray(self.first_new_slot, jnp.int32))
 
 
@@ -529,9 +556,10 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
             gpu_node=np.zeros(1, np.int32), gpu_type=np.full(1, -1, np.int32), variant_gpu_type=np.zeros(1, np.int32),
             node_names=[], model_names=model_names, first_new_slot=cluster.num_instances, pools=False,
             seed=cluster.seed, loading_delay=infra.Delay(), construction_draws=0, drain_policy=cluster.drain_policy)
-    gpus = infra.inventory(cluster.node_pools)
+    gpus = infra.inventory(cluster.node_pools, provisionable=cluster.provision_nodes)
     types = sorted({g.gpu_type for g in gpus})
     nodes = list(dict.fromkeys(g.node for g in gpus))
+    provisioning = _provisioning(cluster, gpus, nodes, types, startup) if cluster.provision_nodes else None
     variants: list = []
     slot_variant = np.zeros(slots, np.int32)
     blocks_of: dict = {}
@@ -565,7 +593,27 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
         variant_gpu_type=np.asarray([types.index(t) for t, _, _ in variants], np.int32), node_names=nodes,
         model_names=model_names, first_new_slot=first_new, pools=True, seed=cluster.seed,
         loading_delay=lifecycle.loading_delay,
-        construction_draws=construction, drain_policy=cluster.drain_policy)
+        construction_draws=construction, drain_policy=cluster.drain_policy, provisioning=provisioning)
+
+
+def _provisioning(cluster: ClusterConfig, gpus, nodes: list, types: list, startup: infra.StartupInstances) -> dict:
+    """Per node of the provisionable inventory (padded to the GPU count): whether it exists at
+    t = 0, its GPU type and its pool's provisioning delay; and the startup GPU owners moved onto
+    this inventory (the startup placement saw the initial nodes only)."""
+    g = len(gpus)
+    pools = {p.name: p for p in cluster.node_pools}
+    initial, kind = np.ones(g, bool), np.full(g, -1, np.int32)
+    mean, std = np.zeros(g), np.zeros(g)
+    for gpu in gpus:
+        n, pool = nodes.index(gpu.node), pools[gpu.pool]
+        initial[n] = int(gpu.node.rsplit("-", 1)[1]) < pool.initial_nodes
+        kind[n] = types.index(gpu.gpu_type)
+        mean[n], std[n] = pool.provisioning_delay.mean, pool.provisioning_delay.stddev
+    where = {gpu.id: i for i, gpu in enumerate(gpus)}
+    owner = np.full(g, -1, np.int32)
+    for gpu, held_by in zip(infra.inventory(cluster.node_pools), startup.gpu_owner):
+        owner[where[gpu.id]] = held_by
+    return dict(initial=initial, type=kind, mean=mean, std=std, owner=owner)
 
 
 def model_ids(requests: RequestSet, cluster: ClusterConfig, padded_to: int) -> dict:
