@@ -55,7 +55,9 @@ def instance_name(k: int, out: SimOutput | None = None) -> str:
 
 def percentile_ms(values_us: np.ndarray, p: float) -> float:
     """BLIS percentile of a µs sample, in ms; 0 for an empty sample."""
-    return _sorted_percentile_ms(np.sort(np.asarray(values_us, dtype=np.int64)), p)
+    v = np.asarray(values_us)
+    # float64 values (warm-up-adjusted TTFTs) stay floats, as in BLIS's maps
+    return _sorted_percentile_ms(np.sort(v if v.dtype == np.float64 else v.astype(np.int64)), p)
 
 
 def _sorted_percentile_ms(v: np.ndarray, p: float, ends: np.ndarray | None = None) -> float:
@@ -76,6 +78,8 @@ def mean_ms(values_us: np.ndarray) -> float:
     v = np.asarray(values_us)
     if v.shape[0] == 0:
         return 0.0
+    if v.dtype == np.float64:  # warm-up-adjusted TTFTs: BLIS's int64 sum gains trunc(τ·f − τ) per value
+        v = np.trunc(v).astype(np.int64)
     return float(int(v.sum(dtype=np.int64))) / float(v.shape[0]) / 1000.0
 
 
@@ -139,7 +143,7 @@ def request_records(out: SimOutput, requests: RequestSet) -> list[dict]:
 
 
 def _record(out: SimOutput, requests: RequestSet, i: int, itl_us: float, done: bool) -> dict:
-    ttft, sched = int(out.ttft_us[i]), int(out.sched_delay_us[i])
+    ttft, sched = out.cluster_ttft_us[i], int(out.sched_delay_us[i])  # TTFT: float with the warm-up penalty
     rec: dict = {
         "arrived_at": float(requests.arrival_us[i]) / 1e6,
         "requestID": f"request_{int(requests.request_id[i])}",
@@ -229,7 +233,7 @@ def metrics_output(out: SimOutput, requests: RequestSet, instance: int | None = 
         "responses_per_sec": float(completed) / duration_s if duration_s > 0 else 0.0,
         "tokens_per_sec": float(output_tokens) / duration_s if duration_s > 0 else 0.0,
     }
-    m.update(_latency_fields(out, rows, done))
+    m.update(_latency_fields(out, rows, done, out.cluster_ttft_us if instance is None else out.ttft_us))
     failures = counter("kv_allocation_failures")
     if failures:
         m["kv_allocation_failures"] = failures
@@ -278,14 +282,16 @@ def adapter_metrics(out: SimOutput, requests: RequestSet, instance: int | None, 
     return block
 
 
-def _latency_fields(out: SimOutput, rows: np.ndarray, done: np.ndarray) -> dict[str, float]:
+def _latency_fields(out: SimOutput, rows: np.ndarray, done: np.ndarray, ttft_us: np.ndarray) -> dict[str, float]:
     """E2E / TTFT / ITL distributions and p99 scheduling delay; all 0 without completions
-    (BLIS computes aggregates only when completed_requests > 0)."""
+    (BLIS computes aggregates only when completed_requests > 0). `ttft_us`: the cluster's
+    (warm-up penalty: floats, whose mean sums trunc(τ·f) = τ + trunc(τ·f − τ) as BLIS's TTFT
+    sum does) or an instance's own."""
     if not done.any():
         empty = np.zeros(0, np.int64)
         return {**_distribution("e2e", empty), **_distribution("ttft", empty),
                 **_distribution("itl", empty), "scheduling_delay_p99_ms": 0.0}
-    ttft = out.ttft_us[rows & (out.ttft_us >= 0)]            # includes later time-outs
+    ttft = ttft_us[rows & (ttft_us >= 0)]            # includes later time-outs
     # pooled gaps, not per-request means
     itl_values, itl_counts = out.itl_pool(None if rows.all() else rows)
     sched = out.sched_delay_us[rows & (out.sched_delay_us >= 0)]
@@ -318,12 +324,14 @@ def goodput_fields(out: SimOutput, requests: RequestSet,
     total_good = total_injected = 0
     for cls in sorted(targets):
         injected = int((arrived & (classes == cls)).sum())
+        if out.extra_arrivals is not None:   # redirected (twice) and discarded requests (drain policies)
+            injected += int(out.extra_arrivals[classes == cls].sum())
         if injected == 0:
             continue
         rows = done & (classes == cls)
         good, by_dim = rows.copy(), {}
         for dim, value_us, present in (("e2e", out.e2e_us, rows), ("itl", itl_us, has_itl),
-                                       ("ttft", out.ttft_us, out.ttft_us >= 0)):
+                                       ("ttft", out.cluster_ttft_us, out.ttft_us >= 0)):
             target = targets[cls].get(f"{dim}_ms")
             if target is None:
                 continue
@@ -340,7 +348,7 @@ def goodput_fields(out: SimOutput, requests: RequestSet,
             "itl_mean_ms": _sum_in_id_order(itl_us, rows, requests) / float(max(rows.sum(), 1)) / 1000.0,
             "slo_attainment": n_good / injected,
             "slo_attainment_by_dim": by_dim,
-            "ttft_p99_ms": percentile_ms(out.ttft_us[rows], 99),
+            "ttft_p99_ms": percentile_ms(out.cluster_ttft_us[rows], 99),
         }
     return {"goodput_rps": total_good / duration_s if duration_s > 0 else 0.0,
             "slo_attainment": total_good / total_injected if total_injected else 0.0,
@@ -499,7 +507,7 @@ def per_slo_latencies(out: SimOutput, requests: RequestSet,
     stats = []
     for cls in present:
         rows = done & (classes == cls)
-        ttft, itl, e2e = (out.ttft_us[rows].astype(np.float64), itl_us[rows],
+        ttft, itl, e2e = (out.cluster_ttft_us[rows].astype(np.float64), itl_us[rows],
                           out.e2e_us[rows].astype(np.float64))
         stats.append(ClassLatency(cls, int(rows.sum()), _mean(ttft), _percentile(ttft, 99),
                                   _mean(itl), _percentile(itl, 99), _mean(e2e), _percentile(e2e, 99)))
@@ -533,7 +541,7 @@ def per_model_latencies(out: SimOutput, requests: RequestSet) -> tuple[ModelLate
     duration_s = float(int(out.sim_end_us.max())) / 1e6 if out.num_instances else 0.0
     stats = []
     for model in sorted(set(models[has_ttft | done].tolist()), key=lambda m: m.encode()):
-        ttft = out.ttft_us[has_ttft & (models == model)].astype(np.float64)
+        ttft = out.cluster_ttft_us[has_ttft & (models == model)].astype(np.float64)
         rows = done & (models == model)
         e2e = out.e2e_us[rows].astype(np.float64)
         count, tokens = int(rows.sum()), int(requests.output_len[rows].sum())

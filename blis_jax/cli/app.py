@@ -39,6 +39,7 @@ from blis_jax.cluster.admission import ADMISSION_POLICIES
 from blis_jax.cluster.gateway import DISPATCH_ORDERS, FAIRNESS_POLICIES, SATURATION_DETECTORS
 from blis_jax.cluster.pd import PD_DECIDERS
 from blis_jax.cluster.routing import ROUTING_POLICIES
+from blis_jax.cluster.scaling import DRAIN_POLICIES
 from blis_jax.cluster.scorers import DEFAULT_PROFILE, SCORERS
 from blis_jax.config import bundled_gpu_names, bundled_model_ids
 from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
@@ -140,6 +141,21 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="autoscaler tick interval, µs: overrides the policy bundle's whenever given (0 = off); "
                         "alone it enables the autoscaler with default settings (without node pools it can only "
                         "scale down)")
+    # blis-jax extensions beyond BLIS's CLI: BLIS library features (its bundle parser rejects the keys)
+    g.add_argument("--warm-up-requests", type=int, default=0, metavar="N",
+                   help="beyond BLIS's CLI (a BLIS library feature): instances start WarmingUp and become Active "
+                        "after N completed requests; each instance's first N routed requests are its warm-up "
+                        "requests (default 0 = off)")
+    g.add_argument("--warm-up-ttft-factor", type=float, default=0.0, metavar="F",
+                   help="beyond BLIS's CLI: multiply the warm-up requests' TTFT by F in the cluster figures and "
+                        "per-request records (F >= 1; default 0 = 1, no penalty); per-instance blocks and "
+                        "scheduling are unchanged")
+    g.add_argument("--drain-policy", choices=DRAIN_POLICIES, default="bare",
+                   help="beyond BLIS's CLI: how the autoscaler's scale-down drains an instance: bare (BLIS's CLI: "
+                        "Draining, terminated once its queue and batch are empty and one of its events fires), "
+                        "wait (an idle instance terminates at once), immediate (its wait queue is discarded and "
+                        "it terminates; its running batch still completes), redirect (its wait queue is routed "
+                        "again to the other instances); default bare")
     g.add_argument("--policy-config", default=None, metavar="FILE",
                    help="BLIS policy bundle YAML: admission/routing/scheduler/preemption defaults (flags win), "
                         "node_pools, instance_lifecycle and autoscaler (strict keys)")

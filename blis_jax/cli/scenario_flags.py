@@ -31,7 +31,7 @@ _CLUSTER_FIELDS = ("num_instances", "routing_policy", "routing_scorers", "admiss
                    "queue_depth_threshold", "kv_cache_util_threshold", "prefill_instances", "decode_instances",
                    "prefill_decode_instances", "pd_decider", "pd_prefix_threshold", "pd_transfer_bandwidth",
                    "pd_transfer_base_latency", "pd_transfer_contention", "prefill_routing_scorers",
-                   "decode_routing_scorers")
+                   "decode_routing_scorers", "drain_policy")
 
 
 # Configuration field path → the flag that sets it (`blis_jax.naming`): the scenario settings
@@ -132,7 +132,8 @@ def cluster(args: argparse.Namespace) -> ClusterConfig:
         **{field: getattr(args, field) for field in _CLUSTER_FIELDS},
         snapshot_refresh_interval_us=args.snapshot_refresh_interval, cache_signal_delay_us=args.cache_signal_delay,
         admission_latency_us=args.admission_latency, routing_latency_us=args.routing_latency,
-        flow_control=_flow_control(args), model_autoscaler_interval_us=args.model_autoscaler_interval_us)
+        flow_control=_flow_control(args), model_autoscaler_interval_us=args.model_autoscaler_interval_us,
+        warm_up_request_count=args.warm_up_requests, warm_up_ttft_factor=args.warm_up_ttft_factor)
 
 
 def _flow_control(args: argparse.Namespace) -> FlowControlConfig | None:

@@ -33,6 +33,7 @@ def independent(cluster, requests: RequestSet) -> bool:
             and cluster.flow_control is None and cluster.num_instances >= 1 and len(requests) > 0
             and not cluster.node_pools   # pools: instances differ (KV, loading times, absent ones)
             and cluster.effective_autoscaler() is None   # the autoscaler couples them (drains, new ones)
+            and cluster.warm_up_request_count == 0   # the warm-up penalty is applied by the cluster driver
             and not unservable_models(requests, cluster.served_model))   # rejected at routing instead
 
 

@@ -54,12 +54,13 @@ def make(state, loaded_at=None, gpus=None, gpu_owner=None) -> Lifecycle:
                      gpu_owner=jnp.asarray(gpu_owner))
 
 
-def all_active(exists: Bool[Array, " I"]) -> Lifecycle:
-    """No node pools: every existing slot is Active from the start (BLIS's construction path A).
-    Jittable: the cluster's initial state is built inside its program."""
+def all_active(exists: Bool[Array, " I"], ready=ACTIVE) -> Lifecycle:
+    """No node pools: every existing slot is Active (`ready`: WarmingUp with warm-up, warm_up.py)
+    from the start (BLIS's construction path A). Jittable: the cluster's initial state is built
+    inside its program."""
     exists = jnp.asarray(exists, bool)
     i = exists.shape[0]
-    return Lifecycle(state=jnp.where(exists, ACTIVE, ABSENT).astype(jnp.int32), loaded_at=jnp.full(i, INF_TIME, jnp.int64),
+    return Lifecycle(state=jnp.where(exists, ready, ABSENT).astype(jnp.int32), loaded_at=jnp.full(i, INF_TIME, jnp.int64),
                      gpus=jnp.zeros(i, jnp.int32), gpu_owner=jnp.full(1, -1, jnp.int32))
 
 
@@ -72,12 +73,20 @@ def next_loaded(lc: Lifecycle) -> Int64[Array, ""]:
     return jnp.min(jnp.where(lc.state == LOADING, lc.loaded_at, INF_TIME))
 
 
-def load(lc: Lifecycle, now, on) -> Lifecycle:
-    """InstanceLoaded events at `now`: Loading → Active (warm-up, a library-only feature of
-    BLIS, is not built: W = 0 from its CLI)."""
+def load(lc: Lifecycle, now, on, ready=ACTIVE) -> Lifecycle:
+    """InstanceLoaded events at `now`: Loading → Active, or → WarmingUp with warm-up (`ready`,
+    warm_up.py; a library-only feature of BLIS: W = 0 from its CLI)."""
     due = on & (lc.state == LOADING) & (lc.loaded_at <= now)
-    return Lifecycle(state=jnp.where(due, ACTIVE, lc.state).astype(jnp.int32),
+    return Lifecycle(state=jnp.where(due, ready, lc.state).astype(jnp.int32),
                      loaded_at=jnp.where(due, INF_TIME, lc.loaded_at), gpus=lc.gpus, gpu_owner=lc.gpu_owner)
+
+
+def terminate(lc: Lifecycle, done) -> Lifecycle:
+    """→ Terminated for the `done` instances, releasing their GPUs."""
+    owner = lc.gpu_owner
+    released = (owner >= 0) & done[jnp.maximum(owner, 0)]
+    return Lifecycle(state=jnp.where(done, TERMINATED, lc.state).astype(lc.state.dtype), loaded_at=lc.loaded_at,
+                     gpus=lc.gpus, gpu_owner=jnp.where(released, -1, owner).astype(owner.dtype))
 
 
 def gpus_in_use(lc: Lifecycle):

@@ -36,7 +36,7 @@ from blis_jax import latency
 from blis_jax.cluster import admission as adm
 from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import deployments, lifecycle, routing, signals
-from blis_jax.cluster import scaling
+from blis_jax.cluster import drain, scaling, warm_up
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import scorers as sc
@@ -76,6 +76,8 @@ class ClusterDims:
     scaling_pending: int = 4
     scaling_log: int = 64
     scaling_pools: bool = False
+    scaling_drain: bool = False  # a drain policy other than BLIS's CLI's bare drain (drain.py)
+    warm_up: bool = False  # instance warm-up (warm_up.py, a BLIS library feature): W > 0
 
     @property
     def flow_control(self) -> bool:
@@ -167,6 +169,8 @@ class ClusterState(eqx.Module):
     routing_rejected: Bool[Array, " N"]  # no routable instance
     lifecycle: lifecycle.Lifecycle  # per-slot instance states: the routable mask (lifecycle.py)
     scaling: scaling.ScalingState | None  # the autoscaler's ticks, actuations and log (None without)
+    warm_up: warm_up.WarmUp | None  # warm-up recordings (None without)
+    drain: drain.DrainState | None  # a drain policy's in-flight cuts and re-arrivals (None: bare drains)
     result: Int32[Array, ""]
 
 
@@ -248,10 +252,11 @@ def _route_request(cs: ClusterState, cd: ClusterDims, req: RequestArrays, r) -> 
 def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req: RequestArrays, model,
                  admission: adm.AbstractAdmission, routings, streams: tuple[GoStream, GoStream, GoStream],
                  snapshot_interval_us, cache_signal_delay_us, lifecycle_state: lifecycle.Lifecycle | None = None,
-                 scaling_state: scaling.ScalingState | None = None) -> ClusterState:
+                 scaling_state: scaling.ScalingState | None = None, warm_up_requests: int = 0) -> ClusterState:
     """`routings` = (the cluster's routing policy, the prefill pool's own, the decode pool's
     own); a pool's is None without scorers of its own. `lifecycle_state`: the instances'
-    initial states (node pools, loading delays); None: every existing slot Active."""
+    initial states (node pools, loading delays); None: every existing slot Active (WarmingUp
+    with warm-up). `warm_up_requests`: W (used when `cd.warm_up`)."""
     dims, i = cd.engine, cd.num_instances
     never = jnp.full(dims.num_requests, INF_TIME, jnp.int64)
     instances = jax.vmap(lambda blocks: inbox.empty(init_state(dims, req, never, params.horizon_us, blocks)))(
@@ -280,8 +285,11 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         handled_by=jnp.full(n, -1, jnp.int32),
         rejected=jnp.zeros(n, bool),
         routing_rejected=jnp.zeros(n, bool),
-        lifecycle=lifecycle_state if lifecycle_state is not None else lifecycle.all_active(cparams.active),
+        lifecycle=lifecycle_state if lifecycle_state is not None else lifecycle.all_active(
+            cparams.active, warm_up.ready_state(warm_up_requests) if cd.warm_up else lifecycle.ACTIVE),
         scaling=scaling_state,
+        warm_up=warm_up.empty(warm_up_requests, i, n) if cd.warm_up else None,
+        drain=drain.empty(i, n) if cd.scaling and cd.scaling_drain else None,
         result=jnp.asarray(0, jnp.int32),
     )
 
@@ -367,7 +375,33 @@ def next_cluster_time(cs: ClusterState, cparams, params, req):
         t = jnp.minimum(t, _gateway_time(gateway_events(cs, cparams, params, req)))
     if cs.scaling is not None:
         t = jnp.minimum(t, jnp.minimum(*_scaling_times(cs, params)))
+    if cs.drain is not None:
+        t = jnp.minimum(t, _redirect_time(cs, cparams, params)[1])
     return t
+
+
+def _redirect_time(cs: ClusterState, cparams: ClusterParams, params):
+    """(request, routing time) of the next redirected request's re-arrival (drain.py); INF_TIME
+    past the horizon or when none. Admission and routing latencies apply again."""
+    r, t = drain.next_redirect(cs.drain)
+    t_route = t + cparams.admission_latency_us + cparams.routing_latency_us
+    return r, jnp.where((t < INF_TIME) & (t_route <= params.horizon_us), t_route, INF_TIME)
+
+
+def _redirect_event(cs: ClusterState, cd: ClusterDims, params, cparams: ClusterParams, req, model, on):
+    """A redirected request re-enters admission and routing (its source is Draining: not
+    routable) and is injected into its new instance; its arrival time stays the original."""
+    r, t_route = _redirect_time(cs, cparams, params)
+    t_admit = t_route - cparams.routing_latency_us
+    n = cs.handled_by.shape[0]
+    cs = dataclasses.replace(cs, handled_by=cs.handled_by.at[jnp.where(on, r, n)].set(-1, mode="drop"),
+                             drain=drain.pop_redirect(cs.drain, r, on))
+    decided, inject_at = _decide(cs, cd, params, cparams, req, r, t_admit, t_route, on)
+    decided = dataclasses.replace(decided, next_request=cs.next_request)   # not a new arrival
+    enqueue_at = t_route + jax.vmap(latency.queueing_time_us, in_axes=(0, None))(model, req.input_len[r])
+    mine = jnp.arange(cd.num_instances) == inject_at
+    instances = jax.vmap(inbox.inject, in_axes=(0, None, None, 0, 0))(decided.instances, cd.engine, r, enqueue_at, mine)
+    return dataclasses.replace(decided, instances=instances)
 
 
 def _scaling_times(cs: ClusterState, params):
@@ -388,15 +422,27 @@ def _scaling_tick(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, req
         pending_tokens=cparams.total_kv_blocks * cd.engine.block_size)
     arrivals = cs.next_admission if (cd.admission_reads_state or cd.flow_control) else cs.next_request
     more_to_come = (arrivals < jnp.sum(req.valid)) | (jnp.sum(_in_flight(cs)) > 0)
+    if cs.drain is not None:  # redirected requests are pending arrivals
+        more_to_come = more_to_come | (drain.pending(cs.drain) > 0)
     ss = scaling.tick(cs.scaling, cparams.scaling, replicas, cd.scaling_models, now, more_to_come, on)
     return dataclasses.replace(cs, scaling=ss, snapshot=jax.tree.map(lambda a, b: jnp.where(on, a, b), snapshot,
                                                                       cs.snapshot))
 
 
-def _scale_actuation(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, now, on):
+def _scale_actuation(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, req, now, on):
     ss, life = scaling.actuate(cs.scaling, cparams.scaling, cs.lifecycle, cparams.instance_model,
-                               cs.instances.events, cd.scaling_models, cd.scaling_pools, now, on)
+                               cs.instances.events, cd.scaling_models, cd.scaling_pools, now, on, _ready(cs))
+    if cs.drain is not None:   # the drain policy acts on the instances drained now
+        drained = on & (life.state == lifecycle.DRAINING) & (cs.lifecycle.state != lifecycle.DRAINING)
+        ds, life, instances = drain.apply(cs.drain, cparams.scaling.drain_policy, life, cs.instances, cd.engine, req,
+                                          drained, scaling.byte_order_rank(ss, cparams.scaling), now)
+        cs = dataclasses.replace(cs, drain=ds, instances=instances)
     return dataclasses.replace(cs, scaling=ss, lifecycle=life)
+
+
+def _ready(cs: ClusterState):
+    """The state an instance enters instead of Active (WarmingUp with warm-up)."""
+    return lifecycle.ACTIVE if cs.warm_up is None else warm_up.ready_state(cs.warm_up.requests)
 
 
 def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: ClusterParams, req, r, t_admit,
@@ -494,6 +540,9 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         handled_by=decided.handled_by.at[jnp.where(target >= 0, r, n)].set(target.astype(jnp.int32), mode="drop"),
         routed=decided.routed + (slots == target) + (disaggregated & (slots == prefill)),
     )
+    if cd.warm_up:  # a warm-up request of its instance (never a disaggregated one, §2.5)
+        decided = dataclasses.replace(decided, warm_up=warm_up.record(decided.warm_up, target, r,
+                                                                      (target >= 0) & ~disaggregated))
     return decided, jnp.where(disaggregated, prefill, target)
 
 
@@ -525,8 +574,10 @@ def _cluster_router_state(cs: ClusterState, cd: ClusterDims, cparams: ClusterPar
 
 
 def _in_flight(cs: ClusterState) -> Int64[Array, " I"]:
-    """Router-owned in-flight requests per instance: routed there and not yet gone."""
-    return jnp.maximum(cs.routed - cs.instances.finished, 0)
+    """Router-owned in-flight requests per instance: routed there and not yet gone (less what a
+    drain policy took away, drain.py)."""
+    cut = 0 if cs.drain is None else cs.drain.in_flight_cut
+    return jnp.maximum(cs.routed - cs.instances.finished - cut, 0)
 
 
 # ----------------------------------------------------------------------- flow control (gateway.py)
@@ -743,6 +794,10 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.scaling:
             t_scaling_tick, t_act = _scaling_times(c, params)
             t_cluster = jnp.minimum(t_cluster, jnp.minimum(t_scaling_tick, t_act))
+        redirects = cd.scaling and cd.scaling_drain
+        if redirects:
+            t_redirect = _redirect_time(c, cparams, params)[1]
+            t_cluster = jnp.minimum(t_cluster, t_redirect)
         if cd.admission_reads_state:
             r_admission, t_admission = next_admission(c, cparams, params, req)
             t_cluster = jnp.minimum(t_cluster, t_admission)
@@ -763,13 +818,16 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.pd:
             c = _start_transfers(c, cd, params, cparams, req, t_prefill, caught & prefill_tick)
         go = caught & ~prefill_tick & (t_cluster < INF_TIME)
+        if cd.warm_up:  # the completions so far end warm-ups (before this cluster event reads states)
+            c = dataclasses.replace(c, lifecycle=warm_up.promote(
+                c.lifecycle, c.warm_up, warm_up.completed(c.instances.out_status), caught))
         if cd.scaling:  # a drained instance whose queue and batch emptied is terminated
             c = dataclasses.replace(c, lifecycle=scaling.terminate_drained(
                 c.scaling, c.lifecycle, c.instances.wait_len, c.instances.batch_len, c.instances.events, caught))
         # same-tick order (BLIS's event priorities): instance loaded -1, admission 1, routing 2,
         # TTL expiry and transfer completion 6, dispatch tick 7, scaling tick 8, actuation 9
         is_loaded = t_loaded <= t_cluster
-        c = dataclasses.replace(c, lifecycle=lifecycle.load(c.lifecycle, t_loaded, go & is_loaded))
+        c = dataclasses.replace(c, lifecycle=lifecycle.load(c.lifecycle, t_loaded, go & is_loaded, _ready(c)))
         go = go & ~is_loaded
         if cd.admission_reads_state:
             is_admission = t_admission <= t_cluster
@@ -785,6 +843,10 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.routes_ahead:
             c = _route_ahead(c, cd, params, cparams, req, model, go & is_arrival)
         go = go & ~is_arrival
+        if redirects:  # after the original arrivals routed at the same time (pushed earlier)
+            is_redirect = t_redirect <= t_cluster
+            c = _redirect_event(c, cd, params, cparams, req, model, go & is_redirect)
+            go = go & ~is_redirect
         if cd.flow_control:
             is_expiry = t_expiry <= t_cluster
             c = dataclasses.replace(c, gateway=gw.expire(c.gateway, expiry_slot, go & is_expiry))
@@ -802,7 +864,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
             is_scaling_tick = t_scaling_tick <= t_cluster
             c = _scaling_tick(c, cd, cparams, req, t_scaling_tick, go & is_scaling_tick)
             go = go & ~is_scaling_tick
-            c = _scale_actuation(c, cd, cparams, t_act, go & (t_act <= t_cluster))
+            c = _scale_actuation(c, cd, cparams, req, t_act, go & (t_act <= t_cluster))
         return c
 
     return masked_while(cond, body, cs, (params, lparams, cparams, req, static_out_len, model, event_limit))

@@ -12,7 +12,8 @@ warm start. All of this happens once, on the host, before the run; the transitio
 (Loading → Active when the delay is over) happen inside the cluster loop (lifecycle.py).
 
 Only what BLIS's CLI reaches is built here: nodes never change state and no node is added
-(provisioning delays and `min_nodes`/`max_nodes` are validated only).
+(provisioning delays and `min_nodes`/`max_nodes` are validated only). `free_gpu_slots` is the
+GPU inventory BLIS computes every tick for its library-only greedy engine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from blis_jax.cluster import lifecycle as lc
 from blis_jax.errors import ConfigError
 
 
@@ -150,11 +152,38 @@ class Gpu:
     memory_gib: float
 
 
-def inventory(pools) -> tuple[Gpu, ...]:
-    """Every GPU of the initial nodes, in pool, node, GPU-index order (first-fit order)."""
+def inventory(pools, provisionable: bool = False) -> tuple[Gpu, ...]:
+    """Every GPU of the initial nodes, in pool, node, GPU-index order (first-fit order); with
+    `provisionable`, of every node a pool may have (`max_nodes`: its provisioned nodes continue
+    the pool's node counter, after its initial ones)."""
     return tuple(Gpu(id=f"{p.name}-{k}-gpu-{g}", node=f"{p.name}-{k}", pool=p.name, gpu_type=p.gpu_type,
                      memory_gib=float(p.gpu_memory_gib))
-                 for p in pools for k in range(p.initial_nodes) for g in range(p.gpus_per_node))
+                 for p in pools for k in range(max(p.max_nodes, p.initial_nodes) if provisionable else p.initial_nodes)
+                 for g in range(p.gpus_per_node))
+
+
+# instance states that hold GPUs in the inventory
+_HOLDING = (lc.LOADING, lc.WARMING_UP, lc.ACTIVE, lc.DRAINING)
+
+
+def free_gpu_slots(ready_gpus: dict[str, int], instances, cluster_tp: int) -> dict[tuple[str, int], int]:
+    """The autoscaler's GPU inventory (blis-infra §4.5; computed by BLIS at every tick for its
+    library-only greedy engine, ignored by the unlimited engine it wires): free GPU slots per
+    variant (GPU type, TP). `ready_gpus`: GPUs of Ready nodes per type (empty without node
+    pools); `instances`: (GPU type, TP, lifecycle state code) per constructed instance. Listed:
+    (type, max(cluster TP, 1)) for every type with Ready GPUs, and every (type, TP) of a live
+    instance with TP > 0; free = Ready GPUs of the type − Σ TP of its GPU-holding instances,
+    clamped at 0."""
+    if not ready_gpus:
+        return {}
+    used: dict[str, int] = {}
+    variants = [(t, max(cluster_tp, 1)) for t in ready_gpus]
+    for gpu_type, tp, state in instances:
+        if state in _HOLDING:
+            used[gpu_type] = used.get(gpu_type, 0) + tp
+            if tp > 0 and (gpu_type, tp) not in variants:
+                variants.append((gpu_type, tp))
+    return {(t, tp): max(ready_gpus.get(t, 0) - used.get(t, 0), 0) for t, tp in variants}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,9 @@ takes the next free instance slot, starts Loading for a sampled delay and become
 through an InstanceLoaded event (lifecycle.py). Without node pools every scale-up fails, as in
 BLIS.
 
+How a drained instance's work ends is the drain policy's (drain.py): BLIS's CLI drain
+("bare") or its library-only WAIT / IMMEDIATE / REDIRECT policies.
+
 Random draws (scrape delays from the `autoscaler` stream, the new instances' loading delays
 from `instance-loading`) are made on the host in stream order; the loop takes the k-th of each.
 What BLIS logs about scaling is kept in a bounded event log (`LOG_*` kinds) and rendered on the
@@ -26,12 +29,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int32, Int64
+from jaxtyping import Array, Bool, Float64, Int32, Int64
 
 from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import lifecycle as lc
 from blis_jax.engine import results
 from blis_jax.engine.params import INF_TIME
+from blis_jax.errors import ConfigError
+from blis_jax.naming import name
 
 # event-log kinds (what BLIS logs about scaling, blis-infra §4.9)
 LOG_ZERO_CAPACITY = 1  # warning: a routable replica with no KV capacity in the snapshot (slot)
@@ -41,6 +46,7 @@ LOG_NO_PLACEMENT_MANAGER = 4  # error: scale-up without node pools (model)
 LOG_PLACED = 5  # info: scale-up placed an instance (slot, model, value = node)
 LOG_PLACE_FAILED = 6  # error: no Ready node has the GPUs (model, variant, value = seq)
 LOG_APPLY_FAILED = 7  # error: summary of an actuation's failures (value = count, slot = first failure's entry)
+LOG_PROVISIONING = 8  # info (extension): a node is provisioned after a failed placement (value = node, slot = ready µs)
 
 
 class ScalingParams(eqx.Module):
@@ -60,6 +66,15 @@ class ScalingParams(eqx.Module):
     startup_rank: Int64[Array, " I"]  # byte-order rank of each startup slot's ID among `instance_<k>`
     first_new_slot: Int32[Array, ""]  # autoscaler-created instances take slots from here on
     unbounded: Bool[Array, ""]  # no horizon: ticks stop once nothing is pending or in flight
+    drain_policy: Int32[Array, ""] = None  # drain.CODES (with ClusterDims.scaling_drain)
+    # node provisioning (a blis-jax extension, ClusterConfig.provision_nodes): per node of the
+    # inventory, whether it exists at t = 0, its pool's provisioning delay, and standard normal
+    # draws of the `node-provisioning` stream (taken in provisioning order, by pools with stddev > 0)
+    node_initial: Bool[Array, " Nodes"] = None
+    node_type: Int32[Array, " Nodes"] = None
+    node_delay_mean_s: Float64[Array, " Nodes"] = None
+    node_delay_std_s: Float64[Array, " Nodes"] = None
+    provisioning_normals: Float64[Array, " K"] = None
 
 
 class ScalingState(eqx.Module):
@@ -86,6 +101,17 @@ class ScalingState(eqx.Module):
     log_len: Int32[Array, ""]
     full: Bool[Array, ""]  # a capacity above overflowed (results.SCALING_FULL)
     slots_full: Bool[Array, ""]  # a scale-up found no free instance slot (results.INSTANCE_SLOTS_FULL)
+    node_ready_at: Int64[Array, " Nodes"] | None = None  # provisioning: when each node is Ready (INF_TIME: none)
+    provisioning_draws: Int32[Array, ""] | None = None
+
+
+DRAIN_POLICIES = ("bare", "wait", "immediate", "redirect")
+
+
+def check_drain_policy(policy) -> None:
+    if policy not in DRAIN_POLICIES:
+        raise ConfigError(f"{name('cluster.drain_policy')} {policy!r}: use one of {', '.join(DRAIN_POLICIES)} "
+                          "(bare: BLIS's CLI scale-down)")
 
 
 def init_state(num_models: int, slots: int, pending: int, log: int, slot_variant, first_tick_at=0) -> ScalingState:
@@ -167,9 +193,10 @@ def next_actuation(ss: ScalingState):
 
 
 def actuate(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, instance_model, instance_events,
-            num_models: int, pools: bool, now, on) -> tuple[ScalingState, lc.Lifecycle]:
+            num_models: int, pools: bool, now, on, ready=lc.ACTIVE) -> tuple[ScalingState, lc.Lifecycle]:
     """ScaleActuation at `now`: the next pending entry's decisions, model by model, against the
-    state at this time (blis-infra §4.7)."""
+    state at this time (blis-infra §4.7). `ready`: the state a new instance without loading
+    delay enters (WarmingUp with warm-up, warm_up.py)."""
     entry, _ = next_actuation(ss)
     new, life_new = ss, life
     failures = jnp.int32(0)
@@ -179,7 +206,7 @@ def actuate(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, instance_mo
         delta, v = ss.pending_delta[entry, m], ss.pending_variant[entry, m]
         new, life_new = _scale_down(new, sp, life_new, instance_model, instance_events, m, v, -delta, now)
         if pools:
-            new, life_new, failed, first = _scale_up(new, sp, life_new, m, v, delta, now)
+            new, life_new, failed, first = _scale_up(new, sp, life_new, m, v, delta, now, ready)
         else:
             failed, first = delta > 0, new.log_len   # the whole decision fails: no PlacementManager (INV-A2)
             new = _log(new, failed, now, LOG_NO_PLACEMENT_MANAGER, -1, m)
@@ -191,7 +218,7 @@ def actuate(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, instance_mo
     return _when(on, new, ss), _when(on, life_new, life)
 
 
-def _byte_order_rank(ss: ScalingState, sp: ScalingParams):
+def byte_order_rank(ss: ScalingState, sp: ScalingParams):
     """Each slot's ID rank in byte order: `autoscale-…` IDs (by seq) before `instance_…` ones."""
     return jnp.where(ss.slot_seq > 0, ss.slot_seq.astype(jnp.int64), jnp.int64(1 << 40) + sp.startup_rank)
 
@@ -200,7 +227,7 @@ def _scale_down(ss, sp, life, instance_model, instance_events, m, v, count, now)
     """Drain `count` (≤ 0: none) Active instances of model m and variant v, smallest ID first."""
     count = jnp.maximum(count, 0)
     candidate = (life.state == lc.ACTIVE) & (instance_model == m) & (ss.slot_variant == v)
-    rank = jnp.where(candidate, _byte_order_rank(ss, sp), jnp.iinfo(jnp.int64).max)
+    rank = jnp.where(candidate, byte_order_rank(ss, sp), jnp.iinfo(jnp.int64).max)
     order = jnp.argsort(rank)
     position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
     chosen = candidate & (position < count)
@@ -211,7 +238,7 @@ def _scale_down(ss, sp, life, instance_model, instance_events, m, v, count, now)
     return dataclasses.replace(ss, drained_events=jnp.where(chosen, instance_events, ss.drained_events)), life
 
 
-def _scale_up(ss, sp, life, m, v, count, now):
+def _scale_up(ss, sp, life, m, v, count, now, ready):
     """Place `count` (≤ 0: none) new instances of variant v, one attempt after another."""
     slots = life.state.shape[0]
     tp, gpu_type = sp.variant_tp[v], sp.variant_gpu_type[v]
@@ -222,6 +249,8 @@ def _scale_up(ss, sp, life, m, v, count, now):
         on = j < count
         seq = ss.seq + 1
         free = (life.gpu_owner < 0) & (sp.gpu_type == gpu_type)
+        if ss.node_ready_at is not None:  # provisioning: only Ready nodes take instances
+            free = free & (ss.node_ready_at[sp.gpu_node] <= now)
         per_node = jax.ops.segment_sum(free.astype(jnp.int32), sp.gpu_node, num_segments=nodes)
         fits = per_node >= tp
         node = jnp.argmax(fits)
@@ -232,7 +261,7 @@ def _scale_up(ss, sp, life, m, v, count, now):
         delay = sp.loading_delay_us[k]
         here = placed & (jnp.arange(slots) == slot)
         life = dataclasses.replace(
-            life, state=jnp.where(here, jnp.where(delay > 0, lc.LOADING, lc.ACTIVE), life.state).astype(life.state.dtype),
+            life, state=jnp.where(here, jnp.where(delay > 0, lc.LOADING, ready), life.state).astype(life.state.dtype),
             loaded_at=jnp.where(here & (delay > 0), now + delay, life.loaded_at),
             gpus=jnp.where(here, tp, life.gpus).astype(life.gpus.dtype),
             gpu_owner=jnp.where(take, slot, life.gpu_owner).astype(life.gpu_owner.dtype))
@@ -246,10 +275,37 @@ def _scale_up(ss, sp, life, m, v, count, now):
         no_room = on & ~jnp.any(fits)
         first = jnp.where(no_room & (first < 0), ss.log_len, first)
         ss = _log(ss, no_room, now, LOG_PLACE_FAILED, -1, m, seq.astype(jnp.int64) * 65536 + v)
+        if ss.node_ready_at is not None:
+            ss = _provision(ss, sp, gpu_type, no_room, now)
         return ss, life, failed + no_room.astype(jnp.int32), first
 
     ss, life, failed, first = jax.lax.fori_loop(0, slots, attempt, (ss, life, jnp.int32(0), jnp.int32(-1)))
     return ss, life, failed, first
+
+
+def _provision(ss: ScalingState, sp: ScalingParams, gpu_type, failed, now) -> ScalingState:
+    """Node provisioning, a blis-jax extension beyond BLIS (whose library can provision nodes
+    but whose autoscaler never does): a placement that found no room provisions the first
+    not-yet-provisioned node (pools in declaration order, up to `max_nodes`) of the variant's
+    GPU type, unless one of that type is already provisioning. It is Ready after a delay drawn
+    as BLIS draws provisioning delays (blis-infra §1.3, stream `node-provisioning`); the failed
+    replica is dropped as in BLIS, and a later scale-up places on the new node once Ready."""
+    ready = ss.node_ready_at
+    mine = sp.node_type == gpu_type
+    busy = jnp.any(mine & (ready > now) & (ready < INF_TIME))
+    candidate = mine & ~sp.node_initial & (ready >= INF_TIME)
+    go = failed & ~busy & jnp.any(candidate)
+    node = jnp.argmax(candidate)
+    k = ss.provisioning_draws
+    cap = sp.provisioning_normals.shape[0]
+    std, mean = sp.node_delay_std_s[node], sp.node_delay_mean_s[node]
+    draws = std > 0
+    secs = jnp.where(draws, jnp.maximum(sp.provisioning_normals[jnp.minimum(k, cap - 1)] * std + mean, 0.0), mean)
+    delay = jnp.where(jnp.isfinite(secs), jnp.trunc(secs * 1e6), 0.0).astype(jnp.int64)
+    at = jnp.where(go, node, ready.shape[0])
+    ss = dataclasses.replace(ss, node_ready_at=ready.at[at].set(now + delay, mode="drop"),
+                             provisioning_draws=k + (go & draws), full=ss.full | (go & draws & (k >= cap)))
+    return _log(ss, go, now, LOG_PROVISIONING, node, -1, now + delay)
 
 
 # ------------------------------------------------------------------------------ drain completion
@@ -260,10 +316,7 @@ def terminate_drained(ss: ScalingState, life: lc.Lifecycle, wait_len, batch_len,
     drain and has an empty wait queue and batch; its GPUs are released (blis-infra §2.6). Checked
     at every cluster event, so a termination lands at the first cluster event after it."""
     done = on & (life.state == lc.DRAINING) & (instance_events > ss.drained_events) & (wait_len == 0) & (batch_len == 0)
-    owner = life.gpu_owner
-    released = (owner >= 0) & done[jnp.maximum(owner, 0)]
-    return dataclasses.replace(life, state=jnp.where(done, lc.TERMINATED, life.state).astype(life.state.dtype),
-                               gpu_owner=jnp.where(released, -1, owner).astype(owner.dtype))
+    return lc.terminate(life, done)
 
 
 def overflowed(ss: ScalingState | None):
@@ -311,6 +364,9 @@ def scaling_log_lines(ss, *, model_names: list[str], slot_names: list[str], vari
             level, text = "error", (f'[actuator] scale-up for model "{m}" variant {{{gpu} {tp}}}: PlaceInstance '
                                     f"failed: PlaceInstance autoscale-{m}-{seq:06d}: no Ready node has {tp} free "
                                     f"{gpu} GPUs (INV-A2)")
+        elif kind == LOG_PROVISIONING:
+            level, text = "info", (f"[autoscaler] provisioning node {node_names[slot]} after a failed placement "
+                                   f"(blis-jax extension): Ready at {value} µs")
         elif kind == LOG_APPLY_FAILED:
             first = messages[slot] if 0 <= slot < len(messages) else ""
             first = first.split("] ", 1)[1] if "] " in first else first

@@ -25,7 +25,7 @@ from blis_jax.cluster import lifecycle as lc
 from blis_jax.cluster import node_pools as infra
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
-from blis_jax.cluster import loop, scaling
+from blis_jax.cluster import drain, loop, scaling, warm_up
 from blis_jax.cluster import routing as routing_policies
 from blis_jax.cluster import scorers as sc
 from blis_jax.engine import output as so
@@ -36,6 +36,7 @@ from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.simulate import request_arrays, to_output, with_adapter_counts, with_lora
 from blis_jax.errors import ConfigError
+from blis_jax.naming import name
 from blis_jax.rng.go_jax import go_stream
 from blis_jax.rng.streams import DECODE_ROUTER, PREFILL_ROUTER, ROUTER, subsystem_seed
 from blis_jax.workload.requests import RequestSet
@@ -89,6 +90,18 @@ class ClusterConfig:
     # off) and alone enables an autoscaler with default settings
     autoscaler: asc.AutoscalerConfig | None = None
     model_autoscaler_interval_us: float | None = None
+    # library-only lifecycle features of BLIS (its bundle parser rejects these keys; blis-jax
+    # extensions on the CLI): warm-up (warm_up.py: instances start WarmingUp until this many
+    # requests completed on them; their first this-many routed requests' cluster-level TTFT is
+    # multiplied by the factor when > 1; 0 = off), and how the autoscaler drains an instance
+    # (scaling.py: "bare", BLIS's CLI behaviour, or the WAIT / IMMEDIATE / REDIRECT policies)
+    warm_up_request_count: int = 0
+    warm_up_ttft_factor: float = 0.0
+    drain_policy: str = "bare"
+    # a blis-jax extension beyond BLIS (whose autoscaler never provisions nodes): a scale-up
+    # that finds no room provisions a node of the pool (up to `max_nodes`, Ready after the
+    # pool's `provisioning_delay` drawn from the `node-provisioning` stream; scaling.py)
+    provision_nodes: bool = False
 
     def validate(self) -> ClusterConfig:
         n = self.num_instances
@@ -133,6 +146,18 @@ class ClusterConfig:
         if not isinstance(self.instance_lifecycle, infra.InstanceLifecycle):
             raise ConfigError("instance_lifecycle: expected an InstanceLifecycle")
         self.instance_lifecycle.check()
+        warm_up.check(self.warm_up_request_count, self.warm_up_ttft_factor)
+        scaling.check_drain_policy(self.drain_policy)
+        if self.drain_policy != "bare" and autoscaler is None:
+            raise ConfigError(f"{name('cluster.drain_policy')} {self.drain_policy}: only the autoscaler's scale-down "
+                              f"drains instances; enable it ({name('cluster.model_autoscaler_interval_us')} or the "
+                              "policy bundle's autoscaler) or leave the drain policy at bare")
+        if self.provision_nodes and (autoscaler is None or not self.node_pools):
+            raise ConfigError(f"{name('cluster.provision_nodes')}: only the autoscaler's scale-up provisions nodes, on "
+                              "node pools; enable the autoscaler and give node_pools (with max_nodes > initial_nodes)")
+        if self.drain_policy == "redirect" and (self.flow_control is not None or self.admission().reads_state):
+            raise ConfigError(f"{name('cluster.drain_policy')} redirect with flow control or a state-reading "
+                              "admission policy (tier-shed, gaie-legacy) is not simulated yet")
         if self.node_pools and self.pd:
             raise ConfigError("node_pools with prefill/decode pools are not supported yet; drop node_pools from the "
                               "policy bundle or --prefill-instances/--decode-instances")
@@ -314,6 +339,8 @@ def _simulate_cluster_views(
                      if autoscaler is not None else None)
     if scaling_setup is not None:
         deployed = scaling_setup.deployed
+        if scaling_setup.provisioning is not None:   # the provisionable inventory's GPU owners
+            lifecycle0 = dataclasses.replace(lifecycle0, gpu_owner=jnp.asarray(scaling_setup.provisioning["owner"]))
     gateway, bands, tenants = (gw.make_params(cluster.flow_control, requests, cluster.queue_depth_threshold,
                                               cluster.kv_cache_util_threshold)
                                if cluster.flow_control is not None else (None, 1, 1))
@@ -340,6 +367,7 @@ def _simulate_cluster_views(
             transfers=bucket(64 * growth.transfers) if cluster.pd else 1, shared_pods=shared,
             admission_reads_state=cluster.admission().reads_state,
             gateway_slots=gateway_slots, gateway_bands=bands, gateway_tenants=tenants,
+            warm_up=cluster.warm_up_request_count > 0,
             **(scaling_setup.dims(growth) if scaling_setup is not None else {}),
         )
         cparams = loop.ClusterParams(
@@ -360,7 +388,8 @@ def _simulate_cluster_views(
         cs = _init(cd, params, cparams, req, deployed.model, cluster.admission(),
                    routings, streams, cluster.snapshot_refresh_interval_us,
                    cluster.cache_signal_delay_us, lifecycle0,
-                   scaling_setup.state(cd) if scaling_setup is not None else None)
+                   scaling_setup.state(cd) if scaling_setup is not None else None,
+                   warm_up_requests=cluster.warm_up_request_count)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         inputs = jax.device_put((params, cparams, req, deployed.model))
         events = np.zeros(cluster.slots, np.int64)
@@ -390,6 +419,9 @@ def _simulate_cluster_views(
     pools = ((np.asarray(prefill_role), np.asarray(decode_role), cluster.pd_transfer_contention) if cluster.pd
              else None)
     out, views = merge_outputs(cs, edims, params, requests, code, readers, built, pools)
+    if cs.warm_up is not None:  # the post-hoc warm-up penalty (cluster-level TTFTs only)
+        out = dataclasses.replace(out, ttft_adjusted_us=warm_up.adjusted_ttft(
+            out.ttft_us, np.asarray(cs.warm_up.marks[:len(requests)]), cluster.warm_up_ttft_factor))
     if lora is not None:
         out = with_adapter_counts(out, lora, cs.instances.lora_loads[:built], cs.instances.lora_evictions[:built])
     if scaling_setup is None:
@@ -419,7 +451,8 @@ def _place(deployed: deploy.InstanceDeployments, startup: infra.StartupInstances
     mml[:n] = np.where(startup.placed, startup.max_model_len, mml[:n])
     loaded_at = np.full(slots, INF_TIME, np.int64)
     loaded_at[:n] = startup.loaded_at_us
-    state = np.where(placed, np.where(loaded_at > 0, lc.LOADING, lc.ACTIVE), lc.ABSENT)
+    ready = lc.WARMING_UP if cluster.warm_up_request_count > 0 else lc.ACTIVE
+    state = np.where(placed, np.where(loaded_at > 0, lc.LOADING, ready), lc.ABSENT)
     loaded_at = np.where(state == lc.LOADING, loaded_at, INF_TIME)
     gpus = np.zeros(slots, np.int32)
     gpus[:n] = startup.gpus_held
@@ -448,10 +481,13 @@ class ScalingSetup:
     seed: int
     loading_delay: infra.Delay
     construction_draws: int
+    drain_policy: str = "bare"
+    provisioning: dict | None = None  # node provisioning (an extension): per-node arrays, remapped GPU owners
 
     def dims(self, growth: Growth) -> dict:
         return dict(scaling=True, scaling_models=1, scaling_pending=4 * growth.scaling,
-                    scaling_log=bucket(64 * growth.scaling), scaling_pools=self.pools)
+                    scaling_log=bucket(64 * growth.scaling), scaling_pools=self.pools,
+                    scaling_drain=self.drain_policy != "bare")
 
     def params(self, growth: Growth, engine_params: EngineParams) -> scaling.ScalingParams:
         from blis_jax.rng.go_rand import GoRand
@@ -481,11 +517,29 @@ class ScalingSetup:
             loading_delay_us=table(self.loading_delay, INSTANCE_LOADING, self.construction_draws),
             gpu_node=jnp.asarray(self.gpu_node, jnp.int32), gpu_type=jnp.asarray(self.gpu_type, jnp.int32),
             startup_rank=jnp.asarray(rank), first_new_slot=jnp.asarray(self.first_new_slot, jnp.int32),
-            unbounded=jnp.asarray(int(engine_params.horizon_us) >= INF_TIME))
+            unbounded=jnp.asarray(int(engine_params.horizon_us) >= INF_TIME),
+            drain_policy=jnp.asarray(drain.CODES[self.drain_policy], jnp.int32) if self.drain_policy != "bare" else None,
+            **self._provisioning_params(draws))
+
+    def _provisioning_params(self, draws: int) -> dict:
+        from blis_jax.rng.go_rand import GoRand
+        from blis_jax.rng.streams import NODE_PROVISIONING
+
+        if self.provisioning is None:
+            return {}
+        p = self.provisioning
+        rng = GoRand(subsystem_seed(self.seed, NODE_PROVISIONING))
+        return dict(node_initial=jnp.asarray(p["initial"]), node_type=jnp.asarray(p["type"], jnp.int32),
+                    node_delay_mean_s=jnp.asarray(p["mean"], jnp.float64),
+                    node_delay_std_s=jnp.asarray(p["std"], jnp.float64),
+                    provisioning_normals=jnp.asarray([rng.norm_float64() for _ in range(draws)], jnp.float64))
 
     def state(self, cd: loop.ClusterDims) -> scaling.ScalingState:
         ss = scaling.init_state(cd.scaling_models, cd.num_instances, cd.scaling_pending, cd.scaling_log,
                                 self.slot_variant)
+        if self.provisioning is not None:
+            ss = dataclasses.replace(ss, node_ready_at=jnp.asarray(np.where(self.provisioning["initial"], 0, INF_TIME),
+                                                                   jnp.int64), provisioning_draws=jnp.int32(0))
         return dataclasses.replace(ss, next_slot=jnp.asarray(self.first_new_slot, jnp.int32))
 
 
@@ -501,10 +555,11 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
             config=config, deployed=deployed, variants=[(hardware, 1, 0.0)], slot_variant=np.zeros(slots, np.int32),
             gpu_node=np.zeros(1, np.int32), gpu_type=np.full(1, -1, np.int32), variant_gpu_type=np.zeros(1, np.int32),
             node_names=[], model_names=model_names, first_new_slot=cluster.num_instances, pools=False,
-            seed=cluster.seed, loading_delay=infra.Delay(), construction_draws=0)
-    gpus = infra.inventory(cluster.node_pools)
+            seed=cluster.seed, loading_delay=infra.Delay(), construction_draws=0, drain_policy=cluster.drain_policy)
+    gpus = infra.inventory(cluster.node_pools, provisionable=cluster.provision_nodes)
     types = sorted({g.gpu_type for g in gpus})
     nodes = list(dict.fromkeys(g.node for g in gpus))
+    provisioning = _provisioning(cluster, gpus, nodes, types, startup) if cluster.provision_nodes else None
     variants: list = []
     slot_variant = np.zeros(slots, np.int32)
     blocks_of: dict = {}
@@ -538,7 +593,27 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
         variant_gpu_type=np.asarray([types.index(t) for t, _, _ in variants], np.int32), node_names=nodes,
         model_names=model_names, first_new_slot=first_new, pools=True, seed=cluster.seed,
         loading_delay=lifecycle.loading_delay,
-        construction_draws=construction)
+        construction_draws=construction, drain_policy=cluster.drain_policy, provisioning=provisioning)
+
+
+def _provisioning(cluster: ClusterConfig, gpus, nodes: list, types: list, startup: infra.StartupInstances) -> dict:
+    """Per node of the provisionable inventory (padded to the GPU count): whether it exists at
+    t = 0, its GPU type and its pool's provisioning delay; and the startup GPU owners moved onto
+    this inventory (the startup placement saw the initial nodes only)."""
+    g = len(gpus)
+    pools = {p.name: p for p in cluster.node_pools}
+    initial, kind = np.ones(g, bool), np.full(g, -1, np.int32)
+    mean, std = np.zeros(g), np.zeros(g)
+    for gpu in gpus:
+        n, pool = nodes.index(gpu.node), pools[gpu.pool]
+        initial[n] = int(gpu.node.rsplit("-", 1)[1]) < pool.initial_nodes
+        kind[n] = types.index(gpu.gpu_type)
+        mean[n], std[n] = pool.provisioning_delay.mean, pool.provisioning_delay.stddev
+    where = {gpu.id: i for i, gpu in enumerate(gpus)}
+    owner = np.full(g, -1, np.int32)
+    for gpu, held_by in zip(infra.inventory(cluster.node_pools), startup.gpu_owner):
+        owner[where[gpu.id]] = held_by
+    return dict(initial=initial, type=kind, mean=mean, std=std, owner=owner)
 
 
 def model_ids(requests: RequestSet, cluster: ClusterConfig, padded_to: int) -> dict:
@@ -628,10 +703,15 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
     if pools is not None:
         fields, views = _pd_parents(fields, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n,
                                     requests, pools)
+    if host.drain is not None:  # IMMEDIATE: discarded requests time out at their deadline (drain.py)
+        fields = drain.discarded_timeouts(fields, np.asarray(host.drain.discarded_by[:n]), requests.deadline_us,
+                                          int(params.horizon_us))
     fields["status"][np.asarray(host.rejected[:n])] = so.REJECTED
     fields["status"][np.asarray(host.routing_rejected[:n])] = so.ROUTING_REJECTED
     if host.gateway is not None:
         fields.update(_gateway_outcomes(fields["status"], host.gateway, n))
+    if host.drain is not None:
+        fields["extra_arrivals"] = drain.extra_arrivals(host.drain, fields["status"], n)
     return so.SimOutput(**fields, result=code, hol_blocking_events=hol_blocking_events(
         np.asarray(host.instances.wait_depth_sum[:num_instances]), np.asarray(host.instances.steps[:num_instances]))
     ), views

@@ -102,6 +102,13 @@ class SimOutput:
     adapter_ids: tuple[str, ...] = ()
     adapter_loads: np.ndarray | None = None
     adapter_evictions: np.ndarray | None = None
+    # warm-up (cluster/warm_up.py): the cluster-level TTFT of every request after the post-hoc
+    # penalty (float64 µs); None: no penalty applied (then `ttft_us` is the cluster's too)
+    ttft_adjusted_us: np.ndarray | None = None
+    # drain policies (cluster/drain.py): arrivals at the cluster a request's status does not show
+    # (a redirected request arrives again; a discarded one keeps no status), per request; they
+    # count in goodput denominators as BLIS's per-class injected counter does. None: none
+    extra_arrivals: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():
@@ -115,6 +122,16 @@ class SimOutput:
         if self.gateway_delay_us is not None:
             delay = _frozen(np.asarray(self.gateway_delay_us).reshape(-1), np.int64)
             object.__setattr__(self, "gateway_delay_us", delay)
+        if self.ttft_adjusted_us is not None:
+            adjusted = _frozen(np.asarray(self.ttft_adjusted_us).reshape(-1), np.float64)
+            if adjusted.shape != self.ttft_us.shape:
+                raise ConfigError(f"SimOutput.ttft_adjusted_us: shape {adjusted.shape}, expected {self.ttft_us.shape}")
+            object.__setattr__(self, "ttft_adjusted_us", adjusted)
+        if self.extra_arrivals is not None:
+            extra = _frozen(np.asarray(self.extra_arrivals).reshape(-1), np.int64)
+            if extra.shape != self.ttft_us.shape:
+                raise ConfigError(f"SimOutput.extra_arrivals: shape {extra.shape}, expected {self.ttft_us.shape}")
+            object.__setattr__(self, "extra_arrivals", extra)
         self.validate()
 
     @property
@@ -152,6 +169,11 @@ class SimOutput:
             raise ConfigError("SimOutput.e2e_us: a completed request has no E2E (-1)")
         return self
 
+    @property
+    def cluster_ttft_us(self) -> np.ndarray:
+        """TTFT per request as the cluster-level figures read it (with the warm-up penalty)."""
+        return self.ttft_us if self.ttft_adjusted_us is None else self.ttft_adjusted_us
+
     def completed_mask(self) -> np.ndarray:
         return is_completed(self.status)
 
@@ -166,6 +188,10 @@ class SimOutput:
         fields.update({name: getattr(self, name)[rows] for name in _PER_REQUEST})
         if self.gateway_delay_us is not None:
             fields["gateway_delay_us"] = self.gateway_delay_us[rows]
+        if self.ttft_adjusted_us is not None:
+            fields["ttft_adjusted_us"] = self.ttft_adjusted_us[rows]
+        if self.extra_arrivals is not None:
+            fields["extra_arrivals"] = self.extra_arrivals[rows]
         fields["itl_runs"] = runs
         return SimOutput(**fields)
 

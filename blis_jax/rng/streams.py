@@ -20,6 +20,7 @@ PREFILL_ROUTER = "prefill-router"
 DECODE_ROUTER = "decode-router"
 KV_OFFLOAD = "kv-offload"
 AUTOSCALER = "autoscaler"  # HPA scrape delays of scaling actuations (blis-infra §1.3)
+NODE_PROVISIONING = "node-provisioning"  # provisioning delays of nodes (blis-infra §1.3; a library feature)
 INSTANCE_LOADING = "instance-loading"  # loading delays of instances placed on node pools (blis-infra §1.3)
 
 

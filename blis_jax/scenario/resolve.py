@@ -88,7 +88,7 @@ class ResolvedScenario:
         c = self.cluster
         return (c.num_instances == 1 and c.admission_policy == "always-admit" and c.flow_control is None
                 and c.admission_latency_us == 0 and c.routing_latency_us == 0 and not c.node_pools
-                and c.effective_autoscaler() is None
+                and c.effective_autoscaler() is None and c.warm_up_request_count == 0   # warm-up: cluster loop
                 and not (self.requests is not None and unservable_models(self.requests, c.served_model)))
 
     @property

@@ -91,6 +91,7 @@ def _cluster_choices():
 
 def _table() -> tuple[Setting, ...]:
     from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
+    from blis_jax.cluster.scaling import DRAIN_POLICIES
 
     admission, routing, saturation, dispatch, fairness, pd = _cluster_choices()
     lengths = [_s(f"{kind}-tokens{suffix}", f"workload.{kind}.{part}", typ)
@@ -129,6 +130,9 @@ def _table() -> tuple[Setting, ...]:
         _s("cache-signal-delay", "cluster.cache_signal_delay_us", int),
         _s("policy-config", "policy_config", str),
         _s("model-autoscaler-interval-us", "cluster.model_autoscaler_interval_us", float),
+        _s("warm-up-requests", "cluster.warm_up_request_count", int),   # blis-jax extensions (BLIS library features)
+        _s("warm-up-ttft-factor", "cluster.warm_up_ttft_factor", float),
+        _s("drain-policy", "cluster.drain_policy", str, DRAIN_POLICIES),
         # cluster: flow control
         _s("flow-control", "cluster.flow_control", bool),
         _s("saturation-detector", "cluster.flow_control.saturation_detector", str, saturation),
