@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from blis_jax.engine import kv, lora, waitqueue
+from blis_jax.engine import cpu_tier, kv, lora, waitqueue
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import EngineParams
@@ -190,21 +190,47 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         safe_old = jnp.maximum(old_row, 0)
         need = jnp.where(prefilled, kv.blocks_needed(dims, state.row_nblocks[safe_old], state.row_kv_tokens[safe_old], n),
                          (n + bs - 1) // bs + cached_on_free_list)
+        n_reload = jnp.int64(0)
+        if dims.cpu_blocks:  # prompt blocks after the GPU-cached prefix reloaded from the CPU tier
+            keys = kv.content_key(dims, req, r, j)
+            n_full = req.input_len[r] // bs
+            n_reload = cpu_tier.reload_run(state, dims, keys, n_hit, n_full,
+                                           state.free_count - cached_on_free_list)
+            n_reload = jnp.where(prefilled | (n <= 0), 0, n_reload)
+            tail = jnp.maximum(start + n - (n_hit + n_reload) * bs, 0)
+            need = jnp.where(prefilled, need, (tail + bs - 1) // bs + cached_on_free_list + n_reload)
         admit = on & (need <= state.free_count)
         if dims.lora_slots:  # LoRA gate: a head whose adapter is not loaded blocks admission
             admit = admit & lora.resident_ready(state, req.adapter[r])
+        if dims.cpu_blocks:
+            # TODO: BLIS keeps reloaded blocks committed when the tail allocation fails
+            state = dataclasses.replace(
+                state, cpu_misses=state.cpu_misses + (on & ~prefilled & (n > 0) & (n_hit < n_full)
+                                                      & (n_reload == 0)))
+            n_reload = jnp.where(admit, n_reload, 0)
+            import os
+            if os.environ.get("CPUDBG"):
+                jax.debug.print("ADMIT t={t} r={r} hit={h} reload={k} nfull={f} n={n} admit={a} free={fr}", t=state.now, r=r, h=n_hit, k=n_reload, f=n_full, n=n, a=admit, fr=state.free_count, ordered=True)
 
         free_row = jnp.argmax(state.row_state == ROW_FREE)
         no_row = admit & (old_row < 0) & (state.row_state[free_row] != ROW_FREE)
         row = jnp.where(old_row >= 0, old_row, free_row).astype(jnp.int32)
         at_row = jnp.where(admit, row, dims.rows)
         state = kv.claim_cached(state, dims, row, cached, n_claim, admit & ~prefilled)
+        if dims.cpu_blocks:
+            state = kv.reload_blocks(state, dims, req, r, row, n_claim, n_reload, params.total_kv_blocks)
+            state = dataclasses.replace(state, cpu_pending_us=state.cpu_pending_us + n_reload * params.cpu.reload_us)
+            kv_start = start + n_reload * bs
+            state = dataclasses.replace(state, row_ahead=state.row_ahead.at[jnp.where(admit, row, dims.rows)].set(
+                jnp.maximum(kv_start - start - n, 0), mode="drop"))
+        else:
+            kv_start = start
         state = dataclasses.replace(
             state,
             row_req=state.row_req.at[at_row].set(r, mode="drop"),
             row_state=state.row_state.at[at_row].set(ROW_RUNNING, mode="drop"),
             row_progress=state.row_progress.at[at_row].set(jnp.where(prefilled, start, 0), mode="drop"),
-            row_kv_tokens=state.row_kv_tokens.at[at_row].set(start, mode="drop"),
+            row_kv_tokens=state.row_kv_tokens.at[at_row].set(kv_start, mode="drop"),
             row_offset=state.row_offset.at[at_row].set(jnp.where(prefilled, 0, start - n_claim * bs), mode="drop"),
             row_ttft=state.row_ttft.at[at_row].set(jnp.where(prefilled, 0, -1), mode="drop"),
             row_num_itl=state.row_num_itl.at[at_row].set(0, mode="drop"),
@@ -214,7 +240,8 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             row_run_first=state.row_run_first.at[at_row].set(-1, mode="drop"),
             result=state.result | jnp.where(no_row, results.ROWS_FULL, 0).astype(jnp.int32),
         )
-        state = kv.allocate_rows(state, dims, req, row[None], n[None], admit[None], params.total_kv_blocks)
+        n_alloc = jnp.maximum(start + n - kv_start, 0) if dims.cpu_blocks else n
+        state = kv.allocate_rows(state, dims, req, row[None], n_alloc[None], admit[None], params.total_kv_blocks)
         state = waitqueue.pop_head(state, dims, admit)
         state = dataclasses.replace(
             state,

@@ -72,6 +72,9 @@ class EngineDims:
     # (their steps are not coasted: the adapter factor and load events are not in coast.py)
     lora_slots: int = 0
     lora_adapters: int = 0
+    # legacy CPU KV tier (cpu_tier.py): store slots and the content-key space; 0 = no CPU tier
+    cpu_blocks: int = 0
+    cpu_keys: int = 0
 
     @property
     def trace_log(self) -> int:

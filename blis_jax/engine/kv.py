@@ -332,3 +332,26 @@ def claim_cached(state: EngineState, dims: EngineDims, row, blocks, n_hit, activ
         row_nblocks=state.row_nblocks.at[row_target].set(n_hit.astype(jnp.int32), mode="drop"),
         kv_hits=state.kv_hits + n_hit,
     )
+
+
+def reload_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r, row, n_hit, n_reload,
+                  total_kv_blocks) -> EngineState:
+    """CPU-tier reload (cpu_tier.py): blocks n_hit .. n_hit + n_reload - 1 of request r's prompt
+    go into free GPU blocks (free-list head), get their content keys and join `row` after its
+    cached prefix; they count as cache hits, as BLIS claims them as cached blocks."""
+    m = dims.blocks_per_request
+    state, ids = pop_blocks(state, dims, n_reload, total_kv_blocks, m)
+    i = jnp.arange(m, dtype=jnp.int64)
+    live = i < n_reload
+    block_index = n_hit + i
+    row_blocks = state.row_blocks.at[jnp.where(live, row, dims.rows), jnp.where(live, block_index, 0)].set(
+        ids, mode="drop")
+    state = dataclasses.replace(
+        state,
+        row_blocks=row_blocks,
+        row_nblocks=state.row_nblocks.at[jnp.where(n_reload > 0, row, dims.rows)].add(
+            n_reload.astype(jnp.int32), mode="drop"),
+        kv_hits=state.kv_hits + n_reload,
+        kv_misses=state.kv_misses - n_reload,
+    )
+    return register_full_blocks(state, dims, req, jnp.broadcast_to(r, (m,)), ids, block_index, live)

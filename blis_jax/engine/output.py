@@ -102,6 +102,8 @@ class SimOutput:
     adapter_ids: tuple[str, ...] = ()
     adapter_loads: np.ndarray | None = None
     adapter_evictions: np.ndarray | None = None
+    # legacy CPU KV tier (engine/cpu_tier.py): (CPU misses, stores, evictions) per instance [I]
+    cpu_tier_counts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():

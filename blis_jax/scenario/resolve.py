@@ -76,6 +76,7 @@ class ResolvedScenario:
     requests: RequestSet | None = None
     sessions: object | None = None          # SessionLinks of closed-loop sessions, else None
     lora: object | None = None              # engine.lora.LoraConfig, None without adapters
+    cpu_tier: object | None = None          # engine.cpu_tier.CpuTier, None without a CPU KV tier
     header: TraceHeader = TraceHeader()
     goodput_targets: Mapping | None = None
     startup: infra.StartupInstances | None = None  # node pools: the placed startup instances
@@ -180,7 +181,7 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
         long_prefill_token_threshold=e.long_prefill_token_threshold, scheduler=e.scheduler,
         preemption_policy=e.preemption_policy, horizon_us=horizon_us, cluster=cluster,
         kv_bytes_per_token=kv_bytes_per_token(arch, tp), prefill_pool=pools["prefill"], decode_pool=pools["decode"],
-        startup=startup, lora=lora)
+        startup=startup, lora=lora, cpu_tier=_cpu_tier(d))
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -312,6 +313,16 @@ def _hardware_and_tp(d: Deployment, hf_id: str) -> tuple[str, int]:
     hardware = d.hardware or (defaults[0] if defaults else DEFAULT_HARDWARE)
     tp = d.tp if d.tp else (defaults[1] if defaults else DEFAULT_TP)
     return hardware, tp
+
+
+def _cpu_tier(d: Deployment):
+    """The legacy CPU KV tier of the deployment, None without `kv_cpu_blocks`."""
+    if not d.kv_cpu_blocks:
+        return None
+    from blis_jax.engine.cpu_tier import CpuTier
+
+    return CpuTier(blocks=d.kv_cpu_blocks, bandwidth=float(d.kv_transfer_bandwidth),
+                   base_latency_us=int(d.kv_transfer_base_latency))
 
 
 def _kv_blocks(d: Deployment, arch, gpu, tp: int, warn: Warn, lora_reserve_gib: float = 0.0) -> int:
