@@ -132,7 +132,9 @@ def load_case(case_id: str) -> BlisDiffCase:
 # switches them on, and the open issue that builds them. Tests that iterate over reference cases
 # mark such a case `xfail(strict=True)` with this reason, so it turns red once the feature lands.
 NOT_YET_SUPPORTED = {
-    "kv_cpu_blocks": "the legacy CPU KV tier (issue #24)",
+    # built (engine/cpu_tier.py) but not yet exact: G01 177/600 requests exact (first divergence at
+    # ~22 s: BLIS's GPU prefix cache has lost blocks ours keeps), G02 lacks the no-rollback quirk
+    "kv_cpu_blocks": "the legacy CPU KV tier to match BLIS exactly (issue #24)",
     "kv_offload_config": "multi-tier KV offload (issue #24)",
     "encode_instances": "the encode pool (issue #24)",
 }

@@ -208,9 +208,6 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
                 state, cpu_misses=state.cpu_misses + (on & ~prefilled & (n > 0) & (n_hit < n_full)
                                                       & (n_reload == 0)))
             n_reload = jnp.where(admit, n_reload, 0)
-            import os
-            if os.environ.get("CPUDBG"):
-                jax.debug.print("ADMIT t={t} r={r} hit={h} reload={k} nfull={f} n={n} admit={a} free={fr}", t=state.now, r=r, h=n_hit, k=n_reload, f=n_full, n=n, a=admit, fr=state.free_count, ordered=True)
 
         free_row = jnp.argmax(state.row_state == ROW_FREE)
         no_row = admit & (old_row < 0) & (state.row_state[free_row] != ROW_FREE)

@@ -82,6 +82,11 @@ class EngineDims:
         return self.step_log if self.trace_steps else 1
 
     @property
+    def cpu_rows(self) -> int:
+        """Rows of the CPU tier's per-row arrays (cpu_tier.py): the rows with a CPU tier, else 0."""
+        return self.rows if self.cpu_blocks else 0
+
+    @property
     def rows(self) -> int:
         """Block-table rows: running requests plus preempted ones that keep their old table."""
         return self.batch_slots + self.preempted_slots

@@ -22,7 +22,7 @@ G prefix groups (`prefix_groups`), PB blocks per prefix group (`prefix_blocks`),
 (`step_log`), RL run log (`run_log`), T step trace (`trace_log`), C LoRA slots (`lora_slots`),
 A LoRA adapters (`lora_adapters`),
 CB CPU-tier slots (`cpu_blocks`), KS content keys (`cpu_keys`, 0 without a CPU tier),
-RA block-table rows with a CPU tier (`rows`, else 0).
+RA block-table rows with a CPU tier (`cpu_rows`).
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ def init_state(
         lora_done=i64(INF_TIME),
         lora_tick=i64(0),
         **cpu_tier.init_arrays(dims),
-        row_ahead=jnp.zeros(r if dims.cpu_blocks else 0, jnp.int64),
+        row_ahead=jnp.zeros(dims.cpu_rows, jnp.int64),
         preemptions=i64(0),
         kv_hits=i64(0),
         kv_misses=i64(0),

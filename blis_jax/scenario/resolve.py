@@ -250,6 +250,11 @@ def _resolve_trace(config: ScenarioConfig, w: TraceWorkload, warn: Warn) -> Reso
     header, requests = read_trace(w.header, w.data)
     if len(requests) == 0:
         raise ConfigError(f"{name('workload.data')} {w.data}: no request records; the CSV has only a header row")
+    if header.extra.get("kv_offload") is not None:
+        # BLIS replays the header's offload chain; results without it would be silently wrong
+        raise ConfigError(f"{name('workload.header')} {w.header}: the kv_offload block (multi-tier KV offload, "
+                          "BLIS --kv-offload-config) is not simulated by blis-jax yet (issue #24); remove the block "
+                          "to replay the trace without offload")
     limits.check_requests(len(requests), "replay a part of the trace")
     resolved = resolve_deployment(config, horizon_us=replay_horizon(config.horizon_us, requests), warn=warn)
     return dataclasses.replace(resolved, requests=requests, header=dataclasses.replace(header, mode="replayed"),

@@ -1,0 +1,93 @@
+"""Legacy CPU KV tier (engine/cpu_tier.py): invariants over a small run under GPU and CPU pressure.
+
+After every few events: every GPU block is either free or referenced (free count + referenced
+blocks = total), the CPU store holds at most its capacity, and its key -> slot map and slots
+agree one to one. The run must actually reload from CPU and evict from it (else the
+invariants would hold vacuously)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from blis_jax.engine import cpu_tier
+from blis_jax.engine import simulate as sim
+from blis_jax.engine.dims import choose_dims
+from blis_jax.workload.requests import make_request_set
+from engine_helpers import latency_model, params_from  # noqa: E402
+
+TOTAL_KV_BLOCKS = 48
+CPU_BLOCKS = 20
+
+
+def _scenario(groups_n: int = 4):
+    rng = np.random.default_rng(5)
+    n = 30
+    groups = rng.integers(0, groups_n, n)
+    requests = make_request_set(request_id=np.arange(n), arrival_us=np.arange(n) * 4000,
+                                input_len=64 + rng.integers(10, 120, n), output_len=rng.integers(5, 40, n),
+                                prefix_group=np.array([f"g{g}" for g in groups]), prefix_len=np.full(n, 64))
+    params = params_from(dict(max_num_seqs=8, max_num_batched_tokens=256, total_kv_blocks=TOTAL_KV_BLOCKS))
+    params = dataclasses.replace(params, cpu=cpu_tier.make_params(CPU_BLOCKS, 16, 2.0, 10))
+    dims = choose_dims(input_len=requests.input_len, output_len=requests.output_len,
+                       prefix_group=requests.prefix_group, prefix_len=requests.prefix_len, max_num_seqs=8,
+                       max_num_batched_tokens=256, total_kv_blocks=TOTAL_KV_BLOCKS, block_size=16)
+    dims = sim.with_cpu_tier(dims, cpu_tier.CpuTier(blocks=CPU_BLOCKS, bandwidth=2.0, base_latency_us=10))
+    return requests, params, dims
+
+
+@pytest.mark.slow  # two compilations (~25 s each on 2 cores)
+def test_blocks_conserved_and_cpu_within_capacity():
+    requests, params, dims = _scenario()
+    req = sim.request_arrays(requests, dims)
+    model = latency_model()
+    state = sim.start(dims, params, req, model)
+    advance = jax.jit(sim.run_until, static_argnums=0)
+    limit, checks = 0, 0
+    while True:
+        limit += 7
+        state = advance(dims, state, params, req, model, jnp.int64(limit))
+        s = jax.device_get(state)
+        total = TOTAL_KV_BLOCKS
+        referenced = int(np.sum(s.block_ref[:total] > 0))
+        assert int(s.free_count) + referenced == total, "GPU blocks: free + referenced != total"
+        assert np.all(s.block_ref[:total] >= 0)
+        assert np.array_equal(s.block_free[:total], s.block_ref[:total] == 0)
+        occupied = s.cpu_slot_key >= 0
+        assert int(occupied.sum()) == int(s.cpu_count) <= CPU_BLOCKS, "CPU entries over capacity"
+        assert not occupied[CPU_BLOCKS:].any()
+        mapped = np.nonzero(s.cpu_key_slot >= 0)[0]
+        assert len(mapped) == int(s.cpu_count)
+        assert np.array_equal(s.cpu_slot_key[s.cpu_key_slot[mapped]], mapped), "key -> slot -> key mismatch"
+        assert int(s.cpu_evictions) <= int(s.cpu_stores)
+        checks += 1
+        if bool(sim.finished(state, params, req)):
+            break
+    assert int(s.result) == 0 and checks > 3
+    assert int(s.cpu_evictions) > 0, "the scenario must evict from CPU"
+    assert int(s.finished) == len(requests)
+
+
+@pytest.mark.slow
+def test_reloads_add_hits_and_step_time():
+    """With the CPU tier, prefixes evicted from GPU come back as hits and each costs step time."""
+    requests, params, dims = _scenario(groups_n=10)
+    out = sim.simulate_instance(requests, dataclasses.replace(params, cpu=None), latency_model(), block_size=16)
+    tiered = sim.simulate_instance(requests, dataclasses.replace(params, cpu=None), latency_model(), block_size=16,
+                                   cpu_tier=cpu_tier.CpuTier(blocks=400, bandwidth=2.0, base_latency_us=10))
+    assert int(tiered.kv_hits[0]) > int(out.kv_hits[0])
+    misses, stores, evictions = (int(c[0]) for c in tiered.cpu_tier_counts)
+    assert stores > 0 and evictions == 0 and misses >= 0
+    # each reload makes a step 18 µs longer: some request's latency grows
+    assert (tiered.e2e_us != out.e2e_us).any()
+    assert out.cpu_tier_counts is None
+
+
+def test_reload_time():
+    assert cpu_tier.reload_time_us(16, 2.0, 10) == 18   # G01: 10 + ceil(16 / 2)
+    assert cpu_tier.reload_time_us(16, 0.5, 40) == 72   # G02: 40 + ceil(16 / 0.5)
+    assert cpu_tier.reload_time_us(16, 100.0, 0) == 1   # BLIS defaults: ceil(0.16)
