@@ -203,7 +203,9 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         if dims.lora_slots:  # LoRA gate: a head whose adapter is not loaded blocks admission
             admit = admit & lora.resident_ready(state, req.adapter[r])
         if dims.cpu_blocks:
-            # TODO: BLIS keeps reloaded blocks committed when the tail allocation fails
+            # Not yet as BLIS: a reload whose tail allocation fails is dropped here, where BLIS keeps
+            # the reloaded blocks committed to the waiting request (no rollback; the G02 case).
+            # CPU misses: admissions with prompt blocks past the GPU prefix and none of them on CPU.
             state = dataclasses.replace(
                 state, cpu_misses=state.cpu_misses + (on & ~prefilled & (n > 0) & (n_hit < n_full)
                                                       & (n_reload == 0)))

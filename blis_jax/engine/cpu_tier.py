@@ -38,8 +38,9 @@ BIG = (1 << 62)
 
 @dataclasses.dataclass(frozen=True)
 class CpuTier:
-    """Host-side settings: `--kv-cpu-blocks`, `--kv-transfer-bandwidth` (tokens per µs... BLIS:
-    blocks... see reload_time_us), `--kv-transfer-base-latency` (µs)."""
+    """Host-side settings: `--kv-cpu-blocks`, `--kv-transfer-bandwidth` (BLIS calls it blocks per
+    tick, but divides the block size in tokens by it; see reload_time_us),
+    `--kv-transfer-base-latency` (µs). BLIS's `--kv-offload-threshold` is ignored, as BLIS ignores it."""
 
     blocks: int
     bandwidth: float = 100.0
@@ -52,7 +53,7 @@ class CpuTierParams(eqx.Module):
 
 
 def reload_time_us(block_size: int, bandwidth: float, base_latency: int) -> int:
-    """base latency + ⌈block size / bandwidth⌉ µs (bandwidth in blocks... tokens per µs, as BLIS)."""
+    """Step time of one reloaded block: base latency + ⌈block size (tokens) / bandwidth⌉ µs, as BLIS."""
     return int(base_latency) + math.ceil(block_size / bandwidth)
 
 
