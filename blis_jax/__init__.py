@@ -8,7 +8,8 @@ The public API (everything in `__all__`):
   lora=LoraSettings(...), policy_config=...)`, validated on construction (`ConfigError` names the field); node pools
   and the instance lifecycle: `ClusterConfig(node_pools=(NodePool(...),),
   instance_lifecycle=InstanceLifecycle(loading_delay=Delay(mean, stddev)))`, or a BLIS
-  policy bundle (`PolicyBundle`, `load_policy_bundle(path)`, or a YAML path);
+  policy bundle (`PolicyBundle`, `load_policy_bundle(path)`, or a YAML path); the autoscaler:
+  `ClusterConfig(autoscaler=AutoscalerConfig(interval_us=..., analyzer=AnalyzerConfig(...)))`;
 * `resolve(config) -> ResolvedScenario` (model, GPU, latency model, requests) and
   `simulate(config_or_resolved) -> SimulationResult` (`.metrics`, `.records`, `.report()`);
 * `simulate_batch([...]) -> [SimulationResult]`: many single-instance scenarios as one
@@ -51,6 +52,8 @@ _EXPORTS = {
     "NodePool": "blis_jax.cluster.node_pools",
     "InstanceLifecycle": "blis_jax.cluster.node_pools",
     "Delay": "blis_jax.cluster.node_pools",
+    "AutoscalerConfig": "blis_jax.cluster.autoscaler",
+    "AnalyzerConfig": "blis_jax.cluster.autoscaler",
     "PolicyBundle": "blis_jax.config.policy_bundle",
     "load_policy_bundle": "blis_jax.config.policy_bundle",
     "GaussianLength": "blis_jax.workload.distribution",
@@ -71,6 +74,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
+    from blis_jax.cluster.autoscaler import AnalyzerConfig as AnalyzerConfig, AutoscalerConfig as AutoscalerConfig
     from blis_jax.cluster.node_pools import (
         Delay as Delay,
         InstanceLifecycle as InstanceLifecycle,

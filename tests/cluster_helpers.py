@@ -1,6 +1,9 @@
-"""Shared builders for the cluster decision tests (routing and scorers)."""
+"""Shared builders for the cluster tests (routing and scorers; a hook on the cluster driver)."""
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -43,3 +46,19 @@ def mixed_requests(n: int, rate: float, seed: int, classes, tenants=None):
     if tenants is not None:
         columns["tenant_id"] = rng.choice(tenants, n)
     return make_request_set(request_id=np.arange(n), arrival_us=arrival, **columns)
+
+
+@contextlib.contextmanager
+def after_each_chunk(callback):
+    """Call `callback(cluster state on the host)` after every chunk the cluster driver runs."""
+    from blis_jax.cluster import simulate as csim
+
+    advance = csim.advance_chunk
+
+    def observed(*args):
+        cs, done = advance(*args)
+        callback(jax.device_get(cs))
+        return cs, done
+
+    with mock.patch.object(csim, "advance_chunk", observed):
+        yield

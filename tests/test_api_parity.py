@@ -66,6 +66,7 @@ def case_config(case_dir) -> ScenarioConfig:
         seed=case["seed"], lora=lora)
 
 
+@pytest.mark.slow  # a run of its own; default suite time
 def test_api_equals_cli_run():
     config = ScenarioConfig(workload=SyntheticWorkload(rate=20.0, num_requests=30), seed=7,
                             engine=EngineSettings(max_num_seqs=8))

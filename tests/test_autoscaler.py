@@ -1,7 +1,9 @@
-"""The autoscaler's pipeline stages against blis-infra §7's worked examples WE-10 to WE-14
-(figures from BLIS's tests, or derived there by hand from its rules)."""
+"""The autoscaler's pipeline stages against blis-infra §7's worked examples WE-10 to WE-14 and
+WE-16 (figures from BLIS's tests, or derived there by hand from its rules)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -181,3 +183,60 @@ def test_we20_analyzer_validation(config, field):
 
 def test_defaults_fill_zeros():
     assert asc.AnalyzerConfig().effective() == asc.AnalyzerConfig(0.8, 0.8, 0.4, 512.0)
+
+
+# ------------------------------------------------------------------------------ WE-16 actuator
+
+
+def _actuation(delta: int, states, slot_seq=None, pools=False):
+    """Run one actuation of `delta` replicas of variant 0 on slots in `states` (startup slots
+    named instance_<k>); returns (scaling state, lifecycle) after it."""
+    from blis_jax.cluster import lifecycle as lc
+    from blis_jax.cluster import scaling
+
+    slots = len(states)
+    names = [f"instance_{k}" for k in range(slots)]
+    rank = np.empty(slots, np.int64)
+    rank[sorted(range(slots), key=lambda k: names[k].encode())] = np.arange(slots)
+    sp = scaling.ScalingParams(
+        interval_us=jnp.int64(1), up_window_us=jnp.int64(0), down_window_us=jnp.int64(0), analyzer=_params(),
+        variants=VARIANTS, variant_gpu_type=jnp.zeros(2, jnp.int32), variant_tp=jnp.ones(2, jnp.int32),
+        scrape_delay_us=jnp.zeros(4, jnp.int64), loading_delay_us=jnp.zeros(4, jnp.int64),
+        gpu_node=jnp.zeros(1, jnp.int32), gpu_type=jnp.full(1, -1, jnp.int32), startup_rank=jnp.asarray(rank),
+        first_new_slot=jnp.int32(slots), unbounded=jnp.asarray(True))
+    ss = scaling.init_state(1, slots, 2, 16, np.zeros(slots, np.int32))
+    ss = dataclasses.replace(ss, pending_at=ss.pending_at.at[0].set(0),
+                             pending_delta=ss.pending_delta.at[0, 0].set(delta),
+                             slot_seq=jnp.asarray(slot_seq if slot_seq is not None else np.zeros(slots), jnp.int32))
+    life = lc.make(states)
+    ss, life = jax.jit(scaling.actuate, static_argnums=(5, 6))(
+        ss, sp, life, jnp.zeros(slots, jnp.int32), jnp.zeros(slots, jnp.int64), 1, pools, jnp.int64(0),
+        jnp.asarray(True))
+    kinds = np.asarray(ss.log_kind[:int(ss.log_len)]).tolist()
+    return np.asarray(life.state), kinds, np.asarray(ss.log_slot[:int(ss.log_len)]).tolist()
+
+
+def test_we16_scale_down_drains_the_smallest_ids_in_byte_order():
+    from blis_jax.cluster import lifecycle as lc
+    from blis_jax.cluster import scaling
+
+    active = [lc.ACTIVE] * 12
+    state, kinds, slots = _actuation(-3, active)
+    assert np.flatnonzero(state == lc.DRAINING).tolist() == [0, 1, 10]     # instance_10 before instance_2
+    assert kinds == [scaling.LOG_DRAINING] * 3 and slots == [0, 1, 10]
+    # an autoscaler-created instance (autoscale-… sorts before instance_…) goes first
+    state, _, slots = _actuation(-1, active, slot_seq=[0] * 11 + [1])
+    assert slots == [11]
+    # a Draining instance is not a candidate; decision −2 with one Active: one drain, one warning
+    state, kinds, slots = _actuation(-2, [lc.DRAINING, lc.ACTIVE, lc.LOADING] + [lc.ABSENT] * 9)
+    assert state.tolist()[:3] == [lc.DRAINING, lc.DRAINING, lc.LOADING]
+    assert kinds == [scaling.LOG_DRAINING, scaling.LOG_NO_ACTIVE]
+
+
+def test_we16_scale_up_without_node_pools_fails_as_one_operation():
+    from blis_jax.cluster import lifecycle as lc
+    from blis_jax.cluster import scaling
+
+    state, kinds, _ = _actuation(+2, [lc.ACTIVE, lc.ACTIVE] + [lc.ABSENT] * 10)
+    assert state.tolist()[:2] == [lc.ACTIVE, lc.ACTIVE]
+    assert kinds == [scaling.LOG_NO_PLACEMENT_MANAGER, scaling.LOG_APPLY_FAILED]

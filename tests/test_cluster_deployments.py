@@ -70,10 +70,15 @@ def test_a_pool_without_a_deployment_runs_the_base_and_shared_slots_take_the_dec
     np.testing.assert_array_equal(np.asarray(plain.model.tp), [1, 1, 1])
 
 
-def test_a_pool_with_another_latency_backend_is_refused():
-    with pytest.raises(ConfigError, match="decode pool's latency model has another structure"):
-        stack_deployments(pool(1).latency_model, make_engine_params(total_kv_blocks=100), 2,
-                          np.array([True, False]), np.array([False, True]), decode=pool(1, kind="roofline"))
+def test_a_pool_with_another_latency_backend_runs_its_own_backend():
+    """--decode-latency-model roofline beside a trained-physics cluster: one structure for all
+    slots (`PerSlotKindModel`) that picks each slot's backend."""
+    from blis_jax.latency.model import PerSlotKindModel
+
+    stacked = stack_deployments(pool(1).latency_model, make_engine_params(total_kv_blocks=100), 2,
+                                np.array([True, False]), np.array([False, True]), decode=pool(1, kind="roofline"))
+    assert isinstance(stacked.model, PerSlotKindModel)
+    assert np.asarray(stacked.model.roofline).tolist() == [False, True]
 
 
 def resolve(*flags: str):
@@ -103,8 +108,9 @@ def test_cli_pool_flags_build_the_pool_deployment():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--decode-tp", "2"), "--decode-hardware/--decode-tp/--decode-max-model-len configure a PD pool"),
-    ((*PD, "--decode-tp", "3"), "--decode-tp / --decode-hardware: .*not divisible by tp 3"),
+    (("--decode-tp", "2"), "--decode-hardware/--decode-tp/--decode-max-model-len/--decode-latency-model configure a "
+                           "PD pool"),
+    ((*PD, "--decode-tp", "3"), "--decode-tp / --decode-hardware / --decode-latency-model: .*not divisible by tp 3"),
     ((*PD, "--prefill-tp", "-1"), "--prefill-tp -1"),
     ((*PD, "--decode-hardware", "B999"), "B999"),
     ((*PD, "--total-kv-blocks", "100", "--decode-max-model-len", "4096"), "--decode-max-model-len 4096 needs 256"),

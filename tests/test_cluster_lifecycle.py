@@ -7,14 +7,10 @@ round-robin over the routable instances only; the pending instance gets nothing)
 
 from __future__ import annotations
 
-from unittest import mock
-
-import jax
 import numpy as np
 import pytest
 
 from blis_jax.cluster import lifecycle as lc
-from blis_jax.cluster import simulate as csim
 from blis_jax.cluster.node_pools import Delay, InstanceLifecycle, NodePool
 from blis_jax.cluster.simulate import ClusterConfig
 from blis_jax.engine import output as so
@@ -22,6 +18,8 @@ from blis_jax.metrics import anomaly_counters, metrics_output
 from blis_jax.scenario import ScenarioConfig, resolve, simulate
 from blis_jax.scenario.config import SyntheticWorkload
 from blis_jax.workload.distribution import GaussianLength
+
+from cluster_helpers import after_each_chunk  # noqa: E402
 
 pytestmark = pytest.mark.slow   # one cluster compile (~20 s on 2 cores)
 
@@ -75,14 +73,7 @@ def test_lifecycle_invariants_and_routing():
     loaded = np.asarray(r.startup.loaded_at_us[:2])
     assert np.all(loaded > 0)
     check = Checker(r)
-    advance = csim.advance_chunk
-
-    def checked(*args):
-        cs, done = advance(*args)
-        check(jax.device_get(cs))
-        return cs, done
-
-    with mock.patch.object(csim, "advance_chunk", checked):
+    with after_each_chunk(check):
         result = simulate(r, events_per_chunk=120)
     assert check.boundaries >= 3 and check.seen_loading, (check.boundaries, loaded)
     out, requests = result.output, result.requests

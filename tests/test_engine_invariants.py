@@ -336,6 +336,7 @@ def test_agrees_with_oracle(name):
     assert_agrees_with_oracle(name, chunked_output(name))
 
 
+@pytest.mark.slow  # its own compiled program; default suite time
 def test_split_allocation_agrees_with_oracle(monkeypatch):
     """At large allocation dims a step allocates with a small program when it can and the full
     one otherwise (kv.allocate_rows); both paths, taken in one run, agree with the oracle."""

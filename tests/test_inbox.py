@@ -28,7 +28,7 @@ def empty_instance(window: int):
                   shared_blocks=z, priority=z, wait_rank=z, follow_up=jnp.zeros(N, bool),
                   next_round=jnp.full(N, -1, jnp.int32), think_time=z, follow_timeout=z,
                   session_slot=jnp.full(N, -1, jnp.int32), follow_budget=jnp.asarray(-1, jnp.int64),
-                  valid=jnp.ones(N, bool))
+                  adapter=jnp.full(N, -1, jnp.int32), valid=jnp.ones(N, bool))
     req = RequestArrays(**{f.name: values[f.name] for f in dataclasses.fields(RequestArrays)})
     state = init_state(dims, req, jnp.full(N, INF_TIME, jnp.int64), jnp.asarray(INF_TIME), jnp.asarray(16))
     return dims, inbox.empty(state)

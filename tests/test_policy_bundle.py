@@ -10,6 +10,7 @@ import pytest
 
 from blis_jax import cli
 from blis_jax.cluster.node_pools import Delay, InstanceLifecycle, NodePool
+from blis_jax.cluster.simulate import ClusterConfig
 from blis_jax.config.policy_bundle import PolicyBundle, load_policy_bundle, parse_policy_bundle
 from blis_jax.errors import ConfigError
 from blis_jax.scenario import ScenarioConfig
@@ -206,8 +207,30 @@ def test_pools_and_lifecycle_come_from_the_bundle(tmp_path):
         applied(POOL, tmp_path, node_pools=(NodePool("q", "H100", 1, 80.0, 1, 0, 1),))
 
 
+def test_autoscaler_section_and_the_interval_flag(tmp_path):
+    """blis-infra §4.1: the bundle's keys count only with its own interval > 0; the flag
+    overrides the interval whenever given (0 disables); alone it gives default settings."""
+    from blis_jax.cluster.autoscaler import AnalyzerConfig, AutoscalerConfig
+
+    full = ("autoscaler: {interval_us: 500000, scale_down_stabilization_window_us: 3000000,\n"
+            "  hpa_scrape_delay: {mean: 0.4, stddev: 0.15}, analyzer: {scale_up_threshold: 0.7}}\n")
+    c = applied(full, tmp_path).cluster
+    assert c.effective_autoscaler() == AutoscalerConfig(
+        interval_us=500000, scale_down_stabilization_window_us=3000000, hpa_scrape_delay=Delay(0.4, 0.15),
+        analyzer=AnalyzerConfig(scale_up_threshold=0.7))
+    flagged = applied(full, tmp_path, model_autoscaler_interval_us=2e6).cluster.effective_autoscaler()
+    assert flagged.interval_us == 2e6 and flagged.scale_down_stabilization_window_us == 3000000
+    assert applied(full, tmp_path, model_autoscaler_interval_us=0.0).cluster.effective_autoscaler() is None
+    without = "autoscaler: {interval_us: 0, scale_up_stabilization_window_us: 9}\n"
+    assert applied(without, tmp_path, model_autoscaler_interval_us=1e6).cluster.effective_autoscaler() == \
+        AutoscalerConfig(interval_us=1e6)                      # the bundle's other keys are ignored
+    with pytest.raises(ConfigError, match="interval_us must be 0 .* or >= 1"):
+        ClusterConfig(model_autoscaler_interval_us=0.5).validate()    # BLIS would re-tick forever
+    with pytest.raises(ConfigError, match="interval_us must be a finite number >= 0"):
+        ClusterConfig(model_autoscaler_interval_us=-5.0).validate()
+
+
 @pytest.mark.parametrize("text, key", [
-    ("autoscaler: {interval_us: 1000000}\n", "autoscaler.interval_us"),
     ("tenant_budgets: {alice: 0.5}\n", "tenant_budgets"),
     ("admission: {slo_priorities: {batch: 2}}\n", "admission.slo_priorities"),
 ])

@@ -14,6 +14,7 @@ import json
 from unittest import mock
 
 import numpy as np
+import pytest
 from engine_helpers import dims_floor, latency_model, params_from, random_scenario
 
 from blis_jax.config import load_gpu, load_model
@@ -71,6 +72,7 @@ def _c06_generating_run_inputs():
 
 
 @needs_blis_diff
+@pytest.mark.slow  # default suite time (C06's run is also checked in test_run_blis_diff.py)
 def test_c06_generating_run_is_reproduced_to_the_microsecond():
     rows, requests, links, model, params = _c06_generating_run_inputs()
     assert set(requests.input_len) == {606}          # the generating run's flattened length
@@ -131,6 +133,7 @@ def _run_chain(requests, links, params):
         return sim.simulate_sessions(requests, links, params, latency_model())
 
 
+@pytest.mark.slow  # default suite time
 def test_rounds_follow_completions_by_the_think_time():
     requests, links, params = _chain_inputs(output=(30, 5, 60, 1))
     model = latency_model()

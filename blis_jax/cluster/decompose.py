@@ -26,10 +26,14 @@ from blis_jax.workload.requests import RequestSet
 
 def independent(cluster, requests: RequestSet) -> bool:
     """Whether `cluster` (a validated `ClusterConfig`) runs `requests` as independent instances."""
+    from blis_jax.cluster.simulate import unservable_models   # simulate.py is the heavier module
+
     return (cluster.routing_policy == "round-robin" and cluster.admission_policy == "always-admit"
             and cluster.admission_latency_us == 0 and cluster.routing_latency_us == 0 and not cluster.pd
             and cluster.flow_control is None and cluster.num_instances >= 1 and len(requests) > 0
-            and not cluster.node_pools)  # pools: instances differ (KV, loading times, absent ones)
+            and not cluster.node_pools   # pools: instances differ (KV, loading times, absent ones)
+            and cluster.effective_autoscaler() is None   # the autoscaler couples them (drains, new ones)
+            and not unservable_models(requests, cluster.served_model))   # rejected at routing instead
 
 
 def route(requests: RequestSet, num_instances: int, horizon_us: int | None) -> np.ndarray:

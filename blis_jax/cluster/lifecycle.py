@@ -54,10 +54,13 @@ def make(state, loaded_at=None, gpus=None, gpu_owner=None) -> Lifecycle:
                      gpu_owner=jnp.asarray(gpu_owner))
 
 
-def all_active(exists) -> Lifecycle:
-    """No node pools: every existing slot is Active from the start (BLIS's construction path A)."""
-    exists = np.asarray(exists, bool)
-    return make(np.where(exists, ACTIVE, ABSENT))
+def all_active(exists: Bool[Array, " I"]) -> Lifecycle:
+    """No node pools: every existing slot is Active from the start (BLIS's construction path A).
+    Jittable: the cluster's initial state is built inside its program."""
+    exists = jnp.asarray(exists, bool)
+    i = exists.shape[0]
+    return Lifecycle(state=jnp.where(exists, ACTIVE, ABSENT).astype(jnp.int32), loaded_at=jnp.full(i, INF_TIME, jnp.int64),
+                     gpus=jnp.zeros(i, jnp.int32), gpu_owner=jnp.full(1, -1, jnp.int32))
 
 
 def routable(lc: Lifecycle) -> Bool[Array, " I"]:

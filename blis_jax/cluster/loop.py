@@ -280,10 +280,7 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         handled_by=jnp.full(n, -1, jnp.int32),
         rejected=jnp.zeros(n, bool),
         routing_rejected=jnp.zeros(n, bool),
-        lifecycle=lifecycle_state if lifecycle_state is not None else lifecycle.Lifecycle(
-            state=jnp.where(cparams.active, lifecycle.ACTIVE, lifecycle.ABSENT).astype(jnp.int32),
-            loaded_at=jnp.full(i, INF_TIME, jnp.int64), gpus=jnp.zeros(i, jnp.int32),
-            gpu_owner=jnp.full(1, -1, jnp.int32)),
+        lifecycle=lifecycle_state if lifecycle_state is not None else lifecycle.all_active(cparams.active),
         scaling=scaling_state,
         result=jnp.asarray(0, jnp.int32),
     )
@@ -714,7 +711,8 @@ def finished(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req
 
 def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams: ClusterParams, req, model,
                 event_limit) -> ClusterState:
-    """Run until the end or until some instance has counted `event_limit` events.
+    """Run until the end or until some instance has counted `event_limit` events (a scalar, or one
+    limit per instance slot).
 
     Each iteration: the instances run up to the next cluster event (cluster events go first at
     equal times), then that event runs. With PD pools, a prefill instance's step can start a
@@ -759,7 +757,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         # the others only up to it; else everyone runs up to the cluster event.
         prefill_tick = t_prefill < t_cluster
         until = jnp.minimum(t_cluster, t_prefill) + (prefill_tick & (lanes if cd.pd else cparams.prefill_role))
-        c = _instances_until(c, cd, lparams, req, out_len, model, jnp.full(cd.num_instances, jnp.where(on, limit, 0)),
+        c = _instances_until(c, cd, lparams, req, out_len, model, jnp.broadcast_to(jnp.where(on, limit, 0), (cd.num_instances,)),
                              until)
         caught = on & _caught_up(c, params, req, out_len, until) & ~overflowed(c)
         if cd.pd:

@@ -64,6 +64,7 @@ class ScalingParams(eqx.Module):
 
 class ScalingState(eqx.Module):
     next_tick: Int64[Array, ""]  # INF_TIME: no further tick
+    ticks: Int32[Array, ""]  # ticks run so far
     stabilizer: asc.Stabilizer
     pending_at: Int64[Array, " P"]  # pending actuations (INF_TIME: a free entry)
     pending_order: Int32[Array, " P"]  # push order (same-time actuations run in it)
@@ -90,7 +91,7 @@ class ScalingState(eqx.Module):
 def init_state(num_models: int, slots: int, pending: int, log: int, slot_variant, first_tick_at=0) -> ScalingState:
     none = jnp.full(pending, INF_TIME, jnp.int64)
     return ScalingState(
-        next_tick=jnp.asarray(first_tick_at, jnp.int64), stabilizer=asc.Stabilizer.empty(num_models),
+        next_tick=jnp.asarray(first_tick_at, jnp.int64), ticks=jnp.int32(0), stabilizer=asc.Stabilizer.empty(num_models),
         pending_at=none, pending_order=jnp.zeros(pending, jnp.int32),
         pending_delta=jnp.zeros((pending, num_models), jnp.int32),
         pending_variant=jnp.zeros((pending, num_models), jnp.int32), pushes=jnp.int32(0),
@@ -148,7 +149,7 @@ def tick(ss: ScalingState, sp: ScalingParams, replicas: asc.Replicas, num_models
         pending_order=jnp.where(mine, new.pushes, new.pending_order),
         pending_delta=jnp.where(mine[:, None], dec.delta[None, :], new.pending_delta),
         pending_variant=jnp.where(mine[:, None], dec.variant[None, :], new.pending_variant),
-        pushes=new.pushes + actuate, scrape_draws=k + actuate,
+        pushes=new.pushes + actuate, scrape_draws=k + actuate, ticks=new.ticks + 1,
         full=new.full | (actuate & (~jnp.any(free) | (k >= sp.scrape_delay_us.shape[0]))),
         next_tick=jnp.where(sp.unbounded & ~more_to_come, INF_TIME, now + sp.interval_us))
     return _when(on, new, ss)
@@ -322,13 +323,8 @@ def scaling_log_lines(ss, *, model_names: list[str], slot_names: list[str], vari
     return out
 
 
-def slot_names(ss, model_names: list[str], slot_models) -> list[str]:
-    """Every slot's instance ID: `instance_<k>` for startup slots, `autoscale-<model>-<seq>`."""
-    seq = np.asarray(jax.device_get(ss.slot_seq)) if ss is not None else None
-    names = []
-    for k in range(len(slot_models)):
-        if seq is not None and seq[k] > 0:
-            names.append(f"autoscale-{model_names[int(slot_models[k])]}-{int(seq[k]):06d}")
-        else:
-            names.append(f"instance_{k}")
-    return names
+def slot_names(ss, model: str, count: int) -> list[str]:
+    """The first `count` slots' instance IDs: `instance_<k>` for a startup slot,
+    `autoscale-<model>-<seq>` for one the autoscaler filled."""
+    seq = np.asarray(jax.device_get(ss.slot_seq))
+    return [f"autoscale-{model}-{int(seq[k]):06d}" if seq[k] > 0 else f"instance_{k}" for k in range(count)]

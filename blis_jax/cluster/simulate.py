@@ -363,11 +363,12 @@ def _simulate_cluster_views(
                    scaling_setup.state(cd) if scaling_setup is not None else None)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         inputs = jax.device_put((params, cparams, req, deployed.model))
-        limit = 0
+        events = np.zeros(cluster.slots, np.int64)
         while True:
-            limit += events_per_chunk
-            cs, done = advance_chunk(cd, cs, inputs, jnp.int64(limit))
-            cs = _read_logs(cs, readers)
+            # each instance's own budget: one that joins late (the autoscaler's) or idled long
+            # must not run more steps in a chunk than the step log holds
+            cs, done = advance_chunk(cd, cs, inputs, jnp.asarray(events + events_per_chunk, jnp.int64))
+            cs, events = _read_logs(cs, readers)
             if progress is not None:
                 progress(int(np.sum(np.asarray(cs.instances.finished))), len(requests),
                          int(np.max(np.asarray(cs.instances.now))))
@@ -393,7 +394,7 @@ def _simulate_cluster_views(
         out = with_adapter_counts(out, lora, cs.instances.lora_loads[:built], cs.instances.lora_evictions[:built])
     if scaling_setup is None:
         return out, views
-    names = scaling.slot_names(cs.scaling, scaling_setup.model_names, np.zeros(built, np.int32))
+    names = scaling.slot_names(cs.scaling, scaling_setup.model_names[0], built)
     log = scaling.scaling_log_lines(cs.scaling, model_names=scaling_setup.model_names, slot_names=names,
                                     variants=scaling_setup.variants, node_names=scaling_setup.node_names)
     return dataclasses.replace(out, instance_names=tuple(names), cluster_log=tuple(log)), views
@@ -445,7 +446,6 @@ class ScalingSetup:
     first_new_slot: int
     pools: bool
     seed: int
-    warm_start: bool
     loading_delay: infra.Delay
     construction_draws: int
 
@@ -501,7 +501,7 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
             config=config, deployed=deployed, variants=[(hardware, 1, 0.0)], slot_variant=np.zeros(slots, np.int32),
             gpu_node=np.zeros(1, np.int32), gpu_type=np.full(1, -1, np.int32), variant_gpu_type=np.zeros(1, np.int32),
             node_names=[], model_names=model_names, first_new_slot=cluster.num_instances, pools=False,
-            seed=cluster.seed, warm_start=True, loading_delay=infra.Delay(), construction_draws=0)
+            seed=cluster.seed, loading_delay=infra.Delay(), construction_draws=0)
     gpus = infra.inventory(cluster.node_pools)
     types = sorted({g.gpu_type for g in gpus})
     nodes = list(dict.fromkeys(g.node for g in gpus))
@@ -537,7 +537,7 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
         gpu_type=np.asarray([types.index(g.gpu_type) for g in gpus], np.int32),
         variant_gpu_type=np.asarray([types.index(t) for t, _, _ in variants], np.int32), node_names=nodes,
         model_names=model_names, first_new_slot=first_new, pools=True, seed=cluster.seed,
-        warm_start=lifecycle.warm_start_initial_instances, loading_delay=lifecycle.loading_delay,
+        loading_delay=lifecycle.loading_delay,
         construction_draws=construction)
 
 
@@ -591,14 +591,16 @@ _LOG_FIELDS = ("steps", "step_log_base", "step_sample", "step_start", "step_dur"
                "run_req", "run_first", "run_last")
 
 
-def _read_logs(cs: loop.ClusterState, readers: list[ItlLogReader]) -> loop.ClusterState:
-    """Read every instance's ITL log (one host transfer) and mark it read."""
-    host = jax.device_get({f: getattr(cs.instances, f) for f in _LOG_FIELDS})
+def _read_logs(cs: loop.ClusterState, readers: list[ItlLogReader]) -> tuple[loop.ClusterState, np.ndarray]:
+    """Read every instance's ITL log (one host transfer, which also brings each instance's event
+    count) and mark it read: (state, event counts)."""
+    host = jax.device_get({f: getattr(cs.instances, f) for f in (*_LOG_FIELDS, "events")})
+    events = np.asarray(host.pop("events"), np.int64)
     for i, reader in enumerate(readers):
         reader.collect(SimpleNamespace(**{f: v[i] for f, v in host.items()}))
     instances = dataclasses.replace(cs.instances, step_log_base=jnp.asarray(host["steps"]),
                                     run_len=jnp.zeros_like(cs.instances.run_len))
-    return dataclasses.replace(cs, instances=instances)
+    return dataclasses.replace(cs, instances=instances), events
 
 
 def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: RequestSet, code: int,
