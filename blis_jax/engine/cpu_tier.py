@@ -6,10 +6,11 @@ LRU over at most `capacity` entries:
 * after each step every hashed block of the running requests is written through to it
   (`mirror`): an entry already there is touched, a new one is stored, evicting the least
   recently used entry when the store is full;
-* when a new request is admitted, the full prompt blocks after its GPU-cached prefix that are
-  on CPU (up to the first CPU miss and the free GPU block count) are reloaded into free GPU
-  blocks and claimed as cache hits (`reload_run`); each adds `reload_us` = base latency +
-  ⌈block size / bandwidth⌉ µs to the current step.
+* when a new request is allocated, the full prompt blocks after its GPU-cached prefix that are
+  on CPU are reloaded into free GPU blocks (`reload`, with BLIS's order of operations: see there);
+  each adds `reload_us` = base latency + ⌈block size / bandwidth⌉ µs to the current step. The
+  request then claims the GPU-cached prefix as it stands after the reload (batch.py); its
+  prefill chunk, fixed before the reload, is not shortened.
 
 In the engine the store is `dims.cpu_blocks` slots (key, LRU stamp) plus a key → slot map over
 the whole key space (`dims.cpu_keys`), so membership is one gather and runs stay jitted and
@@ -156,10 +157,34 @@ def mirror(state, dims: EngineDims, params, active):
     )
 
 
-def reload_run(state, dims: EngineDims, keys, first, last, free):
-    """Blocks `first` .. up to `last` (exclusive) whose keys are on CPU, stopping at the first
-    CPU miss and at `free` blocks: their count."""
-    j = jnp.arange(dims.blocks_per_request, dtype=jnp.int64)
-    hit = on_cpu(state, keys) | (j < first)
-    run = jnp.sum(jnp.cumprod(hit.astype(jnp.int32)) * ((j >= first) & (j < last)))
-    return jnp.clip(jnp.minimum(run, free), 0).astype(jnp.int64)
+def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active):
+    """BLIS's reload from CPU when a new request is allocated (`sim/kv/tiered.go`).
+
+    From the first block past the GPU-cached prefix, the prompt's full blocks that are on CPU and
+    not on the GPU are reloaded, stopping at the first CPU miss, at the first block the GPU
+    already holds, and at the free count. Each reload pops the free-list head, takes the block's
+    content key and goes back to the free-list tail (refcount 0). The head can be one of the
+    request's own cached blocks, still on the free list: it is then re-keyed and its prefix lost
+    (BLIS claims the cached prefix only afterwards). Afterwards the GPU-cached prefix is looked up
+    again. Returns (state, the blocks of that prefix, its length, the number reloaded)."""
+    from blis_jax.engine import kv
+
+    m = dims.blocks_per_request
+    j = jnp.arange(m, dtype=jnp.int64)
+    keys = kv.content_key(dims, req, r, j)
+    n_full = req.input_len[r] // dims.block_size
+    want = on_cpu(state, keys) & ~hit & (j < n_full)
+    run = jnp.sum(jnp.cumprod(jnp.where(j >= n_hit, want, True).astype(jnp.int32)) * (j >= n_hit))
+    run = jnp.where(active, jnp.minimum(run, state.free_count), 0).astype(jnp.int64)
+    misses = state.kv_misses
+    state, ids = kv.pop_blocks(state, dims, run, params.total_kv_blocks, m)
+    live = j < run
+    state = kv.register_full_blocks(state, dims, req, jnp.broadcast_to(r, (m,)), ids, n_hit + j, live)
+    state = kv.push_free(state, dims, ids, live)
+    state = dataclasses.replace(state, kv_misses=misses, cpu_pending_us=state.cpu_pending_us + run * params.cpu.reload_us)
+    # the prefix as the GPU holds it now
+    k = jnp.clip(j - n_hit, 0, m - 1)
+    blocks = jnp.where((j >= n_hit) & (j < n_hit + run), ids[k], cand)
+    ok = (j < n_full) & (blocks >= 0) & (state.block_key[jnp.maximum(blocks, 0)] == keys)
+    n_cached = jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int64)
+    return state, blocks, n_cached, run

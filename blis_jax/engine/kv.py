@@ -297,6 +297,13 @@ def cached_prefix(state: EngineState, dims: EngineDims, req: RequestArrays, r):
     through the block table it kept. A candidate counts only if its content key still matches
     (a reused block has been re-keyed).
     """
+    n_hit, cand, _ = cached_blocks(state, dims, req, r)
+    return n_hit, cand
+
+
+def cached_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r):
+    """`cached_prefix` plus, per full prompt block, whether it is in the cache at all (also past
+    the first miss)."""
     j = jnp.arange(dims.blocks_per_request, dtype=jnp.int64)
     n_full = req.input_len[r] // dims.block_size
     keys = content_key(dims, req, r, j)
@@ -308,7 +315,25 @@ def cached_prefix(state: EngineState, dims: EngineDims, req: RequestArrays, r):
     cand = jnp.where(j < req.shared_blocks[r], from_group, from_row)
     hit = (j < n_full) & (cand >= 0) & (state.block_key[jnp.maximum(cand, 0)] == keys)
     n_hit = jnp.sum(jnp.cumprod(hit.astype(jnp.int32)))
-    return n_hit.astype(jnp.int64), cand
+    return n_hit.astype(jnp.int64), cand, hit
+
+
+def push_free(state: EngineState, dims: EngineDims, ids, live) -> EngineState:
+    """Append the `live` blocks of `ids` (popped, refcount 1) to the free-list tail in order,
+    refcount 0 (they keep their content keys)."""
+    n = jnp.sum(live).astype(jnp.int64)
+    state = _ensure_ring_room(state, dims, n)
+    pos = state.ring_tail + jnp.cumsum(live) - 1
+    target = jnp.where(live, ids, dims.kv_blocks)
+    return dataclasses.replace(
+        state,
+        ring=state.ring.at[jnp.where(live, pos % dims.free_ring, dims.free_ring)].set(ids, mode="drop"),
+        ring_pos=state.ring_pos.at[target].set(pos, mode="drop"),
+        block_free=state.block_free.at[target].set(True, mode="drop"),
+        block_ref=state.block_ref.at[target].set(0, mode="drop"),
+        ring_tail=state.ring_tail + n,
+        free_count=state.free_count + n,
+    )
 
 
 def claim_cached(state: EngineState, dims: EngineDims, row, blocks, n_hit, active) -> EngineState:
@@ -333,25 +358,3 @@ def claim_cached(state: EngineState, dims: EngineDims, row, blocks, n_hit, activ
         kv_hits=state.kv_hits + n_hit,
     )
 
-
-def reload_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r, row, n_hit, n_reload,
-                  total_kv_blocks) -> EngineState:
-    """CPU-tier reload (cpu_tier.py): blocks n_hit .. n_hit + n_reload - 1 of request r's prompt
-    go into free GPU blocks (free-list head), get their content keys and join `row` after its
-    cached prefix; they count as cache hits, as BLIS claims them as cached blocks."""
-    m = dims.blocks_per_request
-    state, ids = pop_blocks(state, dims, n_reload, total_kv_blocks, m)
-    i = jnp.arange(m, dtype=jnp.int64)
-    live = i < n_reload
-    block_index = n_hit + i
-    row_blocks = state.row_blocks.at[jnp.where(live, row, dims.rows), jnp.where(live, block_index, 0)].set(
-        ids, mode="drop")
-    state = dataclasses.replace(
-        state,
-        row_blocks=row_blocks,
-        row_nblocks=state.row_nblocks.at[jnp.where(n_reload > 0, row, dims.rows)].add(
-            n_reload.astype(jnp.int32), mode="drop"),
-        kv_hits=state.kv_hits + n_reload,
-        kv_misses=state.kv_misses - n_reload,
-    )
-    return register_full_blocks(state, dims, req, jnp.broadcast_to(r, (m,)), ids, block_index, live)
