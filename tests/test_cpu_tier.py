@@ -138,3 +138,34 @@ def test_g01_every_request_as_blis(tmp_path):
     assert got.pop("requests") == ref.pop("requests")
     got.pop("cache_hit_rate"), ref.pop("cache_hit_rate")   # not yet: blis_diff.CPU_TIER_GAPS["G01"]
     assert got == ref
+
+
+@pytest.mark.slow  # one compilation (~25 s on 2 cores) and the eager oracle
+def test_reloads_as_the_oracle():
+    """The engine's reloads against the eager reference of BLIS's tiered allocation
+    (tests/reference_tiered.py) on a small run under GPU pressure with chunked prefills and
+    preemptions: re-keyed own blocks, reloads stopped by a GPU block, prefixes past the chunk.
+    The CPU store never evicts here (the engine's write-through pass keeps an entry that BLIS's
+    sequential pass evicts and stores again, see cpu_tier.py)."""
+    from blis_diff import TraceRequest
+    from reference_engine import EngineConfig
+    from reference_tiered import simulate_tiered
+    from test_reference_engine import latency_hooks
+
+    requests, params, _ = _scenario(groups_n=10)
+    tier = cpu_tier.CpuTier(blocks=400, bandwidth=2.0, base_latency_us=10)
+    out = sim.simulate_instance(requests, dataclasses.replace(params, cpu=None), latency_model(), block_size=16,
+                                cpu_tier=tier)
+    reqs = [TraceRequest(request_id=int(requests.request_id[i]), arrival_us=int(requests.arrival_us[i]),
+                         input_len=int(requests.input_len[i]), output_len=int(requests.output_len[i]), deadline_us=0,
+                         prefix_group=str(requests.prefix_group[i]), prefix_len=int(requests.prefix_len[i]),
+                         slo_class="", priority=1) for i in range(len(requests.request_id))]
+    case = dict(model="meta-llama/Llama-3.1-8B-Instruct", hardware="H100", tp=1, latency_model="trained-physics")
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, total_kv_blocks=TOTAL_KV_BLOCKS, block_size=16)
+    res, kv = simulate_tiered(reqs, cfg, latency_hooks(case, [r.input_len for r in reqs]), tier.blocks,
+                              cpu_tier.reload_time_us(16, tier.bandwidth, tier.base_latency_us))
+    assert kv.reloads > 20 and res.counters["preemption_count"] > 0 and kv.evictions == 0
+    for i, r in enumerate(reqs):
+        assert (res.requests[r.request_id]["ttft_us"], res.requests[r.request_id]["e2e_us"]) == \
+            (int(out.ttft_us[i]), int(out.e2e_us[i])), r.request_id
+    assert (int(out.kv_hits[0]), int(out.kv_misses[0])) == (kv.hits, kv.misses)

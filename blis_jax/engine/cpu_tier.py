@@ -173,7 +173,11 @@ def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active):
     j = jnp.arange(m, dtype=jnp.int64)
     keys = kv.content_key(dims, req, r, j)
     n_full = req.input_len[r] // dims.block_size
-    want = on_cpu(state, keys) & ~hit & (j < n_full)
+    # A block the GPU holds stops the reload unless the reload has popped it by then (BLIS checks
+    # block by block): reload i pops the free list's i-th block.
+    on_gpu = hit & ~(state.block_free[jnp.maximum(cand, 0)] & (kv.free_rank(state, dims, params.total_kv_blocks, cand)
+                                                              < j - n_hit))
+    want = on_cpu(state, keys) & ~on_gpu & (j < n_full)
     run = jnp.sum(jnp.cumprod(jnp.where(j >= n_hit, want, True).astype(jnp.int32)) * (j >= n_hit))
     run = jnp.where(active, jnp.minimum(run, state.free_count), 0).astype(jnp.int64)
     misses = state.kv_misses

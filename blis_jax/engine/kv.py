@@ -318,6 +318,16 @@ def cached_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r):
     return n_hit.astype(jnp.int64), cand, hit
 
 
+def free_rank(state: EngineState, dims: EngineDims, total_kv_blocks, blocks):
+    """Position in the free list (0 = the head, popped first) of each free block in `blocks`
+    (meaningless for blocks in use). Never-used blocks come first, then the ring."""
+    pos = state.ring_head + jnp.arange(dims.free_ring, dtype=jnp.int64)
+    _, valid = _ring_entry_valid(state, dims, pos)
+    before = jnp.cumsum(valid) - valid
+    at = jnp.clip(state.ring_pos[jnp.maximum(blocks, 0)] - state.ring_head, 0, dims.free_ring - 1)
+    return total_kv_blocks - state.fresh_next.astype(jnp.int64) + before[at]
+
+
 def push_free(state: EngineState, dims: EngineDims, ids, live) -> EngineState:
     """Append the `live` blocks of `ids` (popped, refcount 1) to the free-list tail in order,
     refcount 0 (they keep their content keys)."""
