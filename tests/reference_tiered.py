@@ -20,7 +20,8 @@ request; found by reading BLIS's outputs, blis-features §2.10 is less precise):
   the blocks its chunk reaches; the chunk's tokens past that prefix get new blocks. When the
   prefix ends before the chunk's start (own blocks re-keyed), or reaches past the chunk's end,
   the blocks the request then allocates sit at other token positions than their index: BLIS
-  hashes them to keys nothing else has (here: a key with offset -1 or the gap).
+  hashes them to keys nothing else has (here: a key with offset -1 or the gap). The request's
+  cached blocks that the reload re-keyed count as cache hits all the same.
 * Without a reload the allocation is the GPU's own.
 
 Not reproduced (G02): when the allocation fails after a reload BLIS keeps the claimed prefix
@@ -64,11 +65,13 @@ class TieredKVCache(KVCache):
         bs = self.bs
         n_full = req.input_len // bs
         j, reloaded, room = len(cached), 0, len(self.free)
+        own, lost = set(cached), 0
         while j < n_full and reloaded < room:
             key = self.block_key(req, j, bs)
             if key not in self.cpu or key in self.by_hash:
                 break
             b = self.free.popitem(last=False)[0]
+            lost += b in own
             old = self.hash[b]
             if old is not None and self.by_hash.get(old) == b:
                 del self.by_hash[old]
@@ -88,6 +91,7 @@ class TieredKVCache(KVCache):
         need = (-(-(end - s) // bs) if end > s else 0) + len({b for b in claim if self.ref[b] == 0})
         if need > len(self.free):
             return False
+        self.hits += lost          # the request's cached blocks the reload re-keyed count as hits all the same
         blocks = self.req_blocks[req.request_id] = []
         self.req_offset[req.request_id] = -1 if end <= s else s - len(prefix) * bs
         for b in claim:

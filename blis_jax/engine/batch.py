@@ -194,7 +194,7 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             # `n` is already fixed, and the request claims the GPU-cached prefix as it is after
             # the reload (cpu_tier.reload), at most the blocks the chunk reaches; the chunk's
             # tokens past that prefix get new blocks.
-            state, blocks, n_cached, n_reload = cpu_tier.reload(
+            state, blocks, n_cached, n_reload, lost = cpu_tier.reload(
                 state, dims, params, req, r, n_hit, cached, on_gpu, on & ~prefilled & (n > 0) & lora_ok)
             reloaded = n_reload > 0
             end = start + n
@@ -229,7 +229,8 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         at_row = jnp.where(admit, row, dims.rows)
         state = kv.claim_cached(state, dims, row, cached, n_claim, admit & ~prefilled)
         if dims.cpu_blocks:
-            state = dataclasses.replace(state, row_ahead=state.row_ahead.at[at_row].set(ahead, mode="drop"))
+            state = dataclasses.replace(state, row_ahead=state.row_ahead.at[at_row].set(ahead, mode="drop"),
+                                        kv_hits=state.kv_hits + jnp.where(admit, lost, 0))
         state = dataclasses.replace(
             state,
             row_req=state.row_req.at[at_row].set(r, mode="drop"),

@@ -166,7 +166,8 @@ def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active):
     content key and goes back to the free-list tail (refcount 0). The head can be one of the
     request's own cached blocks, still on the free list: it is then re-keyed and its prefix lost
     (BLIS claims the cached prefix only afterwards). Afterwards the GPU-cached prefix is looked up
-    again. Returns (state, the blocks of that prefix, its length, the number reloaded)."""
+    again. Returns (state, the blocks of that prefix, its length, the number reloaded, the number
+    of the request's cached blocks re-keyed)."""
     from blis_jax.engine import kv
 
     m = dims.blocks_per_request
@@ -180,6 +181,9 @@ def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active):
     want = on_cpu(state, keys) & ~on_gpu & (j < n_full)
     run = jnp.sum(jnp.cumprod(jnp.where(j >= n_hit, want, True).astype(jnp.int32)) * (j >= n_hit))
     run = jnp.where(active, jnp.minimum(run, state.free_count), 0).astype(jnp.int64)
+    # The request's cached blocks the reload pops (re-keyed): BLIS counts them as hits all the same.
+    lost = jnp.sum((j < n_hit) & state.block_free[jnp.maximum(cand, 0)]
+                   & (kv.free_rank(state, dims, params.total_kv_blocks, cand) < run)).astype(jnp.int64)
     misses = state.kv_misses
     state, ids = kv.pop_blocks(state, dims, run, params.total_kv_blocks, m)
     live = j < run
@@ -191,4 +195,4 @@ def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active):
     blocks = jnp.where((j >= n_hit) & (j < n_hit + run), ids[k], cand)
     ok = (j < n_full) & (blocks >= 0) & (state.block_key[jnp.maximum(blocks, 0)] == keys)
     n_cached = jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int64)
-    return state, blocks, n_cached, run
+    return state, blocks, n_cached, run, lost
