@@ -141,7 +141,8 @@ NOT_YET_SUPPORTED = {
 }
 
 
-# Cases whose results and metrics match BLIS but whose stdout text sections do not yet: strict xfails where stdout must be byte-identical (tests/test_run_blis_diff.py).
+# Cases whose results and metrics match BLIS but whose stdout text sections do not yet: strict
+# xfails where stdout must be byte-identical (tests/test_run_blis_diff.py).
 STDOUT_GAPS = {
     "G01": ("the legacy CPU KV tier's KV Thrashing Rate line as BLIS (issue #24): results.json and metrics.json "
             "are byte-identical, stdout differs in that line only: 0.6071, BLIS 0.6144 (the engine's write-through "
@@ -152,7 +153,8 @@ STDOUT_GAPS = {
 # What the legacy CPU tier still lacks per reference case (issue #24).
 CPU_TIER_GAPS = {
     "G02": ("the legacy CPU KV tier's no-rollback quirk (issue #24): a request whose allocation fails after a "
-            "reload keeps the claimed blocks while it waits (8 of 500 requests exact, 96 preemptions vs 189; first divergence between 3.4 s and 4.2 s, where BLIS preempts requests 26-28 only)"),
+            "reload keeps the claimed blocks while it waits (8 of 500 requests exact, 96 preemptions vs 189; first "
+            "divergence between 3.4 s and 4.2 s, where BLIS preempts requests 26-28 only)"),
 }
 
 

@@ -189,7 +189,8 @@ def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active):
     live = j < run
     state = kv.register_full_blocks(state, dims, req, jnp.broadcast_to(r, (m,)), ids, n_hit + j, live)
     state = kv.push_free(state, dims, ids, live)
-    state = dataclasses.replace(state, kv_misses=misses, cpu_pending_us=state.cpu_pending_us + run * params.cpu.reload_us)
+    state = dataclasses.replace(state, kv_misses=misses,
+                                cpu_pending_us=state.cpu_pending_us + run * params.cpu.reload_us)
     # the prefix as the GPU holds it now
     k = jnp.clip(j - n_hit, 0, m - 1)
     blocks = jnp.where((j >= n_hit) & (j < n_hit + run), ids[k], cand)
