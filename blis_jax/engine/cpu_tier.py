@@ -16,9 +16,17 @@ In the engine the store is `dims.cpu_blocks` slots (key, LRU stamp) plus a key â
 the whole key space (`dims.cpu_keys`), so membership is one gather and runs stay jitted and
 vmappable. `dims.cpu_blocks == 0` (no CPU tier) traces none of this.
 
-One pass of `mirror` touches every entry it sees before it evicts: BLIS's sequential pass can
-evict an old entry that the same pass touches later (it is then stored again); the vectorized
-pass keeps it instead. Each pass's new entries are ordered as BLIS stores them.
+Known differences from BLIS (tests/blis_diff.py names the reference cases they affect; the eager
+reference tests/reference_tiered.py has the first two right):
+* one pass of `mirror` touches every entry it sees before it evicts: BLIS's sequential pass can
+  evict an old entry that the same pass touches later (it is then stored again); the vectorized
+  pass keeps it instead. Each pass's new entries are ordered as BLIS stores them. This changes
+  the store and eviction counts (KV Thrashing Rate) under CPU pressure;
+* blocks a request allocates at token positions other than their index (after a reload re-keyed
+  its own cached blocks, or past a prefix that reached beyond its chunk) get no content key, so
+  they are not written to CPU; BLIS gives them hashes nothing else has and stores them;
+* an allocation that fails after a reload claims nothing, where BLIS leaves the claimed prefix
+  committed to the waiting request (no rollback).
 """
 
 from __future__ import annotations
