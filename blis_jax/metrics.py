@@ -369,6 +369,8 @@ def cache_hit_rate(out: SimOutput, instance: int | None = None) -> float:
     unweighted mean over instances (an instance without lookups counts as 0)."""
     hits = out.kv_hits.astype(np.float64)
     total = hits + out.kv_misses.astype(np.float64)
+    if out.cpu_tier_counts is not None:  # BLIS's tiered cache: + lookups the CPU tier missed
+        total = total + np.asarray(out.cpu_tier_counts[0], np.float64)
     rates = np.divide(hits, total, out=np.zeros_like(hits), where=total > 0)
     if instance is not None:
         return float(rates[instance])
@@ -474,6 +476,9 @@ def kv_cache_metrics(out: SimOutput, thrashing_rate: float = 0.0) -> KVCacheMetr
     thrashing (CPU-tier evictions / stores) comes from a tiered KV store when one exists."""
     completed = int(out.completed_mask().sum())
     preemptions = int(out.preemption_count.sum())
+    if out.cpu_tier_counts is not None:  # CPU-tier evictions / stores (cluster-wide sums)
+        stores, evictions = (int(np.sum(c)) for c in out.cpu_tier_counts[1:])
+        thrashing_rate = evictions / stores if stores else 0.0
     return KVCacheMetrics(preemption_rate=preemptions / completed if completed else 0.0,
                           cache_hit_rate=cache_hit_rate(out), thrashing_rate=float(thrashing_rate))
 

@@ -132,9 +132,29 @@ def load_case(case_id: str) -> BlisDiffCase:
 # switches them on, and the open issue that builds them. Tests that iterate over reference cases
 # mark such a case `xfail(strict=True)` with this reason, so it turns red once the feature lands.
 NOT_YET_SUPPORTED = {
-    "kv_cpu_blocks": "the legacy CPU KV tier (issue #24)",
+    # engine/cpu_tier.py: G01 is exact request by request (tests/test_cpu_tier.py), not in its KV
+    # Cache Metrics lines; G02 needs the no-rollback quirk
+    "kv_cpu_blocks": lambda case: (CPU_TIER_GAPS.get(case["id"][:3], "the legacy CPU KV tier to match BLIS (issue #24)")
+                                   if case["id"][:3] not in STDOUT_GAPS else None),
     "kv_offload_config": "multi-tier KV offload (issue #24)",
     "encode_instances": "the encode pool (issue #24)",
+}
+
+
+# Cases whose results and metrics match BLIS but whose stdout text sections do not yet: strict
+# xfails where stdout must be byte-identical (tests/test_run_blis_diff.py).
+STDOUT_GAPS = {
+    "G01": ("the legacy CPU KV tier's KV Thrashing Rate line as BLIS (issue #24): results.json and metrics.json "
+            "are byte-identical, stdout differs in that line only: 0.6071, BLIS 0.6144 (the engine's write-through "
+            "pass keeps an entry BLIS's sequential pass evicts and stores again, and blocks at shifted token "
+            "positions get no key; tests/reference_tiered.py, sequential, gives 0.6149)"),
+}
+
+# What the legacy CPU tier still lacks per reference case (issue #24).
+CPU_TIER_GAPS = {
+    "G02": ("the legacy CPU KV tier's no-rollback quirk (issue #24): a request whose allocation fails after a "
+            "reload keeps the claimed blocks while it waits (8 of 500 requests exact, 96 preemptions vs 189; first "
+            "divergence between 3.4 s and 4.2 s, where BLIS preempts requests 26-28 only)"),
 }
 
 
@@ -145,14 +165,15 @@ def not_yet_supported(case: dict) -> str | None:
     return "; ".join(r for r in reasons if r) or None
 
 
-def case_param(case_id: str, case: dict, *, affected: bool = True):
+def case_param(case_id: str, case: dict, *, affected: bool = True, stdout_exact: bool = False):
     """`case_id` as a pytest param, a strict xfail if the case needs a feature not built yet.
 
-    ``affected=False`` keeps a case whose unsupported feature does not touch what the test checks.
+    ``affected=False`` keeps a case whose unsupported feature does not touch what the test checks;
+    ``stdout_exact``: the test needs stdout byte for byte (STDOUT_GAPS).
     """
     import pytest
 
-    why = not_yet_supported(case)
+    why = not_yet_supported(case) or (STDOUT_GAPS.get(case["id"][:3]) if stdout_exact else None)
     if why is None or not affected:
         return pytest.param(case_id, id=case_id)
     return pytest.param(case_id, id=case_id, marks=pytest.mark.xfail(strict=True, reason=f"needs {why}"))

@@ -32,8 +32,9 @@ OTHER_CLUSTER_FLAGS = ("token_bucket_capacity", "token_bucket_refill_rate", "pre
                        "decode_instances", "pd_decider", "prefill_routing_scorers", "decode_routing_scorers",
                        "prefill_decode_instances", "pd_prefix_threshold", "pd_transfer_contention",
                        "pd_transfer_bandwidth")
-# ... and deployment settings (per-pool overrides)
-OTHER_DEPLOYMENT_FLAGS = ("prefill_latency_model", "decode_latency_model", "prefill_tp", "decode_tp")
+# ... and deployment settings (per-pool overrides, the legacy CPU KV tier)
+OTHER_DEPLOYMENT_FLAGS = ("prefill_latency_model", "decode_latency_model", "prefill_tp", "decode_tp",
+                          "kv_cpu_blocks", "kv_transfer_bandwidth", "kv_transfer_base_latency")
 
 
 def case_config(case_dir) -> ScenarioConfig:

@@ -19,7 +19,8 @@ from engine_helpers import latency_model, params_from  # noqa: E402
 NAMES = {"N": "num_requests", "W": "window", "U": "sessions", "S": "batch_slots", "R": "rows",
          "B": "blocks_per_request", "P": "preempted_slots", "Q": "wait_slots", "E": "exit_log", "K": "kv_blocks",
          "F": "free_ring", "G": "prefix_groups", "PB": "prefix_blocks", "L": "step_log", "RL": "run_log",
-         "T": "trace_log", "C": "lora_slots", "A": "lora_adapters"}
+         "T": "trace_log", "C": "lora_slots", "A": "lora_adapters",
+         "CB": "cpu_blocks", "KS": "cpu_keys", "RA": "cpu_rows"}
 
 
 def _distinct_dims():
@@ -32,7 +33,8 @@ def _distinct_dims():
                        step_log=96, trace_steps=True)
     dims = dataclasses.replace(dims, num_requests=48, window=256, sessions=3, batch_slots=8, preempted_slots=9,
                                blocks_per_request=12, wait_slots=24, exit_log=5, kv_blocks=1024, free_ring=640,
-                               prefix_groups=2, prefix_blocks=1, run_log=72, lora_slots=6, lora_adapters=7)
+                               prefix_groups=2, prefix_blocks=1, run_log=72, lora_slots=6, lora_adapters=7,
+                               cpu_blocks=32, cpu_keys=200)
     return requests, dims
 
 
@@ -63,8 +65,8 @@ def _annotation(cls, name: str):
 
 def test_every_field_has_the_shape_and_dtype_its_annotation_names():
     requests, dims = _distinct_dims()
-    # T (the step trace) has the step log's length by construction
-    sizes = {letter: getattr(dims, attr) for letter, attr in NAMES.items() if letter != "T"}
+    # T (the step trace) has the step log's length by construction, RA (CPU tier) the rows'
+    sizes = {letter: getattr(dims, attr) for letter, attr in NAMES.items() if letter not in ("T", "RA")}
     assert len(set(sizes.values())) == len(sizes), f"dims must differ pairwise to tell the names apart: {sizes}"
     settings = dict(max_num_seqs=8, max_num_batched_tokens=512, total_kv_blocks=700)
     req = request_arrays(requests, dims)

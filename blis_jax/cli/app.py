@@ -262,6 +262,14 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (default 16)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRAC",
                    help="GPU memory fraction for weights + KV cache in auto-sizing (default 0.9)")
+    g.add_argument("--kv-cpu-blocks", type=int, default=0, metavar="N",
+                   help="legacy CPU KV tier: CPU blocks (default 0: no CPU tier)")
+    g.add_argument("--kv-offload-threshold", type=float, default=0.9, metavar="FRAC",
+                   help="accepted for BLIS compatibility; ignored, as BLIS ignores it")
+    g.add_argument("--kv-transfer-bandwidth", type=float, default=100.0, metavar="BLOCKS_PER_US",
+                   help="CPU tier reload bandwidth (default 100)")
+    g.add_argument("--kv-transfer-base-latency", type=int, default=0, metavar="US",
+                   help="CPU tier fixed cost per reloaded block (default 0)")
 
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--lora-config", default=None, metavar="FILE",

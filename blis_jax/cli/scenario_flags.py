@@ -94,6 +94,8 @@ def deployment(args: argparse.Namespace) -> Deployment:
         alpha=alpha, beta=beta, coefficients=args.coefficients, total_kv_blocks=args.total_kv_blocks,
         block_size=args.block_size_in_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
+        kv_cpu_blocks=args.kv_cpu_blocks, kv_offload_threshold=args.kv_offload_threshold,
+        kv_transfer_bandwidth=args.kv_transfer_bandwidth, kv_transfer_base_latency=args.kv_transfer_base_latency,
         prefill_hardware=args.prefill_hardware, prefill_tp=args.prefill_tp,
         prefill_max_model_len=args.prefill_max_model_len, decode_hardware=args.decode_hardware,
         decode_tp=args.decode_tp, decode_max_model_len=args.decode_max_model_len,

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from blis_jax.engine import kv, lora, waitqueue
+from blis_jax.engine import cpu_tier, kv, lora, waitqueue
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import EngineParams
@@ -173,7 +173,7 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         # A PD decode sub-request starts decoding on the prompt KV reserved for it (transfer.py).
         prefilled = ((old_row >= 0) & (state.row_state[jnp.maximum(old_row, 0)] == ROW_RESERVED)
                      if dims.transfers else jnp.asarray(False))
-        n_hit, cached = kv.cached_prefix(state, dims, req, r)
+        n_hit, cached, on_gpu = kv.cached_blocks(state, dims, req, r)
         n_hit = jnp.where(prefilled, 0, n_hit)
         start = jnp.where(prefilled, req.input_len[r], n_hit * bs)
         n = req.input_len[r] - start
@@ -185,27 +185,59 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         n = jnp.where(mml > 0, jnp.minimum(n, jnp.maximum(mml - 1 - start, 0)), n)
         # BLIS quirk: a zero-token admission claims none of its cached blocks (kv.py)
         n_claim = jnp.where(n > 0, n_hit, 0)
+        lora_ok = lora.resident_ready(state, req.adapter[r]) if dims.lora_slots else jnp.asarray(True)
+        # Where the row's KV starts: tokens held, position of its first block, tokens allocated.
+        kv_start, row_offset, n_alloc, ahead = start, start - n_claim * bs, n, jnp.int64(0)
+        n_reload = jnp.int64(0)
+        if dims.cpu_blocks:
+            # BLIS (tiered.go) reloads from CPU inside the allocation of a new request: the chunk
+            # `n` is already fixed, and the request claims the GPU-cached prefix as it is after
+            # the reload (cpu_tier.reload), at most the blocks the chunk reaches; the chunk's
+            # tokens past that prefix get new blocks.
+            state, blocks, n_cached, n_reload, lost = cpu_tier.reload(
+                state, dims, params, req, r, n_hit, cached, on_gpu, on & ~prefilled & (n > 0) & lora_ok)
+            reloaded = n_reload > 0
+            end = start + n
+            # The prefix reaches past the chunk: the row claims the blocks up to the chunk's end
+            # and its later chunks follow them, at token positions that do not match their
+            # blocks (BLIS hashes them as garbage; here they get no content key: offset 1).
+            over = reloaded & (end <= n_cached * bs)
+            m = jnp.where(over, (end + bs - 1) // bs, n_cached)
+            kv_from = jnp.maximum(start, n_cached * bs)
+            cached = jnp.where(reloaded, blocks, cached)
+            n_claim = jnp.where(reloaded, m, n_claim)
+            kv_start = jnp.where(over, m * bs + 1, jnp.where(reloaded, kv_from, start))
+            row_offset = jnp.where(over, 1, jnp.where(reloaded, kv_from - m * bs, row_offset))
+            n_alloc = jnp.where(over, 0, jnp.where(reloaded, end - kv_from, n))
+            ahead = jnp.where(over, kv_start - end, 0)
         j = jnp.arange(dims.blocks_per_request)
         cached_on_free_list = jnp.sum((j < n_claim) & state.block_free[jnp.maximum(cached, 0)])
         safe_old = jnp.maximum(old_row, 0)
         need = jnp.where(prefilled, kv.blocks_needed(dims, state.row_nblocks[safe_old], state.row_kv_tokens[safe_old], n),
-                         (n + bs - 1) // bs + cached_on_free_list)
-        admit = on & (need <= state.free_count)
-        if dims.lora_slots:  # LoRA gate: a head whose adapter is not loaded blocks admission
-            admit = admit & lora.resident_ready(state, req.adapter[r])
+                         (n_alloc + bs - 1) // bs + cached_on_free_list)
+        admit = on & (need <= state.free_count) & lora_ok
+        if dims.cpu_blocks:
+            # Not yet as BLIS: an admission that fails after a reload leaves nothing claimed here,
+            # where BLIS keeps the claimed prefix committed to the waiting request (no rollback;
+            # the G02 case). CPU misses: failed allocations without a reload.
+            state = dataclasses.replace(
+                state, cpu_misses=state.cpu_misses + (on & ~prefilled & (n > 0) & (n_reload == 0) & ~admit))
 
         free_row = jnp.argmax(state.row_state == ROW_FREE)
         no_row = admit & (old_row < 0) & (state.row_state[free_row] != ROW_FREE)
         row = jnp.where(old_row >= 0, old_row, free_row).astype(jnp.int32)
         at_row = jnp.where(admit, row, dims.rows)
         state = kv.claim_cached(state, dims, row, cached, n_claim, admit & ~prefilled)
+        if dims.cpu_blocks:
+            state = dataclasses.replace(state, row_ahead=state.row_ahead.at[at_row].set(ahead, mode="drop"),
+                                        kv_hits=state.kv_hits + jnp.where(admit, lost, 0))
         state = dataclasses.replace(
             state,
             row_req=state.row_req.at[at_row].set(r, mode="drop"),
             row_state=state.row_state.at[at_row].set(ROW_RUNNING, mode="drop"),
             row_progress=state.row_progress.at[at_row].set(jnp.where(prefilled, start, 0), mode="drop"),
-            row_kv_tokens=state.row_kv_tokens.at[at_row].set(start, mode="drop"),
-            row_offset=state.row_offset.at[at_row].set(jnp.where(prefilled, 0, start - n_claim * bs), mode="drop"),
+            row_kv_tokens=state.row_kv_tokens.at[at_row].set(kv_start, mode="drop"),
+            row_offset=state.row_offset.at[at_row].set(jnp.where(prefilled, 0, row_offset), mode="drop"),
             row_ttft=state.row_ttft.at[at_row].set(jnp.where(prefilled, 0, -1), mode="drop"),
             row_num_itl=state.row_num_itl.at[at_row].set(0, mode="drop"),
             row_itl_sum=state.row_itl_sum.at[at_row].set(0, mode="drop"),
@@ -214,7 +246,7 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             row_run_first=state.row_run_first.at[at_row].set(-1, mode="drop"),
             result=state.result | jnp.where(no_row, results.ROWS_FULL, 0).astype(jnp.int32),
         )
-        state = kv.allocate_rows(state, dims, req, row[None], n[None], admit[None], params.total_kv_blocks)
+        state = kv.allocate_rows(state, dims, req, row[None], n_alloc[None], admit[None], params.total_kv_blocks)
         state = waitqueue.pop_head(state, dims, admit)
         state = dataclasses.replace(
             state,

@@ -72,11 +72,19 @@ class EngineDims:
     # (their steps are not coasted: the adapter factor and load events are not in coast.py)
     lora_slots: int = 0
     lora_adapters: int = 0
+    # legacy CPU KV tier (cpu_tier.py): store slots and the content-key space; 0 = no CPU tier
+    cpu_blocks: int = 0
+    cpu_keys: int = 0
 
     @property
     def trace_log(self) -> int:
         """Entries of the step trace log (one dummy entry when tracing is off)."""
         return self.step_log if self.trace_steps else 1
+
+    @property
+    def cpu_rows(self) -> int:
+        """Rows of the CPU tier's per-row arrays (cpu_tier.py): the rows with a CPU tier, else 0."""
+        return self.rows if self.cpu_blocks else 0
 
     @property
     def rows(self) -> int:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from blis_jax import latency
-from blis_jax.engine import batch, coast, itl_log, kv, lora, results, sessions, transfer, waitqueue
+from blis_jax.engine import batch, coast, cpu_tier, itl_log, kv, lora, results, sessions, transfer, waitqueue
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import INF_TIME, EngineParams
@@ -236,12 +236,18 @@ def _execute(state: EngineState, step_sample, dims: EngineDims, params: EnginePa
     if dims.lora_slots:   # BLIS: the (integer) step time × the adapter factor, truncated, floor 1
         factor = lora.step_factor(params, req.adapter[r], feats.scheduled)
         step_us = jnp.maximum(jnp.int64(1), latency.truncate_us(step_us.astype(jnp.float64) * factor))
+    if dims.cpu_blocks:  # blocks reloaded from the CPU tier while forming this batch
+        step_us = step_us + state.cpu_pending_us
+        state = dataclasses.replace(state, cpu_pending_us=jnp.where(active, 0, state.cpu_pending_us))
     token_us = latency.output_token_time_us(model)
     progress = state.row_progress[rows]
     input_len = req.input_len[r]
     in_prefill = valid & (progress < input_len)
     decoded = valid & ~in_prefill & (feats.new_tokens > 0)
-    new_progress = jnp.where(in_prefill, state.row_kv_tokens[rows], jnp.where(decoded, progress + 1, progress))
+    prefilled_to = state.row_kv_tokens[rows]
+    if dims.cpu_blocks:
+        prefilled_to = prefilled_to - state.row_ahead[rows]
+    new_progress = jnp.where(in_prefill, prefilled_to, jnp.where(decoded, progress + 1, progress))
     first_token = valid & (new_progress == input_len) & (state.row_ttft[rows] < 0)
     sample = step_us + token_us
     drop_row = lambda mask: jnp.where(mask, rows, dims.rows)  # noqa: E731
@@ -358,6 +364,8 @@ def step(state, dims: EngineDims, params: EngineParams, req: RequestArrays, mode
     # BLIS samples |WaitQ| after batch formation, every step (blis-features §2.4)
     state = dataclasses.replace(state, wait_depth_sum=state.wait_depth_sum + jnp.where(run, state.wait_len, 0))
     state, step_us, step_sample = _execute(state, step_sample, dims, params, req, model, run)
+    if dims.cpu_blocks:  # write-through of the batch's hashed blocks (BLIS MirrorToCPU)
+        state = cpu_tier.mirror(state, dims, params, run)
     state = _finish_requests(state, dims, params, req, model, step_us, run)
     waiting = state.wait_len > 0
     if dims.lora_slots:  # an idle instance waits for the adapter load (its completion starts a step)

@@ -297,6 +297,13 @@ def cached_prefix(state: EngineState, dims: EngineDims, req: RequestArrays, r):
     through the block table it kept. A candidate counts only if its content key still matches
     (a reused block has been re-keyed).
     """
+    n_hit, cand, _ = cached_blocks(state, dims, req, r)
+    return n_hit, cand
+
+
+def cached_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r):
+    """`cached_prefix` plus, per full prompt block, whether it is in the cache at all (also past
+    the first miss)."""
     j = jnp.arange(dims.blocks_per_request, dtype=jnp.int64)
     n_full = req.input_len[r] // dims.block_size
     keys = content_key(dims, req, r, j)
@@ -308,7 +315,35 @@ def cached_prefix(state: EngineState, dims: EngineDims, req: RequestArrays, r):
     cand = jnp.where(j < req.shared_blocks[r], from_group, from_row)
     hit = (j < n_full) & (cand >= 0) & (state.block_key[jnp.maximum(cand, 0)] == keys)
     n_hit = jnp.sum(jnp.cumprod(hit.astype(jnp.int32)))
-    return n_hit.astype(jnp.int64), cand
+    return n_hit.astype(jnp.int64), cand, hit
+
+
+def free_rank(state: EngineState, dims: EngineDims, total_kv_blocks, blocks):
+    """Position in the free list (0 = the head, popped first) of each free block in `blocks`
+    (meaningless for blocks in use). Never-used blocks come first, then the ring."""
+    pos = state.ring_head + jnp.arange(dims.free_ring, dtype=jnp.int64)
+    _, valid = _ring_entry_valid(state, dims, pos)
+    before = jnp.cumsum(valid) - valid
+    at = jnp.clip(state.ring_pos[jnp.maximum(blocks, 0)] - state.ring_head, 0, dims.free_ring - 1)
+    return total_kv_blocks - state.fresh_next.astype(jnp.int64) + before[at]
+
+
+def push_free(state: EngineState, dims: EngineDims, ids, live) -> EngineState:
+    """Append the `live` blocks of `ids` (popped, refcount 1) to the free-list tail in order,
+    refcount 0 (they keep their content keys)."""
+    n = jnp.sum(live).astype(jnp.int64)
+    state = _ensure_ring_room(state, dims, n)
+    pos = state.ring_tail + jnp.cumsum(live) - 1
+    target = jnp.where(live, ids, dims.kv_blocks)
+    return dataclasses.replace(
+        state,
+        ring=state.ring.at[jnp.where(live, pos % dims.free_ring, dims.free_ring)].set(ids, mode="drop"),
+        ring_pos=state.ring_pos.at[target].set(pos, mode="drop"),
+        block_free=state.block_free.at[target].set(True, mode="drop"),
+        block_ref=state.block_ref.at[target].set(0, mode="drop"),
+        ring_tail=state.ring_tail + n,
+        free_count=state.free_count + n,
+    )
 
 
 def claim_cached(state: EngineState, dims: EngineDims, row, blocks, n_hit, active) -> EngineState:
@@ -332,3 +367,4 @@ def claim_cached(state: EngineState, dims: EngineDims, row, blocks, n_hit, activ
         row_nblocks=state.row_nblocks.at[row_target].set(n_hit.astype(jnp.int32), mode="drop"),
         kv_hits=state.kv_hits + n_hit,
     )
+

@@ -109,6 +109,8 @@ class SimOutput:
     # (a redirected request arrives again; a discarded one keeps no status), per request; they
     # count in goodput denominators as BLIS's per-class injected counter does. None: none
     extra_arrivals: np.ndarray | None = None
+    # legacy CPU KV tier (engine/cpu_tier.py): (CPU misses, stores, evictions) per instance [I]
+    cpu_tier_counts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():

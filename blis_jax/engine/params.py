@@ -19,6 +19,7 @@ class EngineParams(eqx.Module):
     total_kv_blocks: Int64[Array, ""]
     horizon_us: Int64[Array, ""]
     lora: object = None  # LoraParams (engine/lora.py) when adapters are configured
+    cpu: object = None  # CpuTierParams (engine/cpu_tier.py) with a legacy CPU KV tier
 
 
 def make_engine_params(

@@ -195,6 +195,7 @@ def simulate_instance(
     events_per_chunk: int = 200_000,
     progress: Callable[[int, int, int], None] | None = None,
     lora=None,
+    cpu_tier=None,
 ) -> SimOutput:
     """Simulate one instance serving `requests`; host-side driver around the jitted loop.
 
@@ -202,7 +203,7 @@ def simulate_instance(
     """
     state, dims, code, itl_reader = _drive(requests, None, params, model, block_size=block_size, scheduler=scheduler,
                                            preemption_policy=preemption_policy, events_per_chunk=events_per_chunk,
-                                           progress=progress, lora=lora)
+                                           progress=progress, lora=lora, cpu_tier=cpu_tier)
     out = to_output(state, dims, params, requests, code, itl_reader)
     return out if lora is None else with_adapter_counts(out, lora, state.lora_loads, state.lora_evictions)
 
@@ -260,7 +261,7 @@ def simulate_traced(
 
 def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler: str = "fcfs",
            preemption_policy: str = "fcfs", events_per_chunk: int = 200_000, progress=None,
-           trace_steps: bool = False, lora=None):
+           trace_steps: bool = False, lora=None, cpu_tier=None):
     """Run to the end in chunks, rerunning with the overflowed buffers grown (growth.py).
     `lora`: a lora.LoraConfig, or None. Returns (final state, dims, result code, ITL log reader)."""
     adapters = None
@@ -269,6 +270,11 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
 
         adapters = lora.adapter_index(lora_mod.adapter_labels(requests))
         params = lora_mod.with_params(params, lora)
+    if cpu_tier is not None:
+        from blis_jax.engine import cpu_tier as cpu_mod
+
+        params = dataclasses.replace(params, cpu=cpu_mod.make_params(cpu_tier.blocks, block_size, cpu_tier.bandwidth,
+                                                                     cpu_tier.base_latency_us))
     for value, allowed, flag in ((scheduler, ("fcfs", "priority-fcfs", "sjf"), "--scheduler"),
                                  (preemption_policy, ("fcfs", "priority"), "--preemption-policy")):
         if value not in allowed:
@@ -293,6 +299,8 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
             max_model_len=int(params.max_model_len),
         )
         dims = with_lora(dims, lora)
+        if cpu_tier is not None:
+            dims = with_cpu_tier(dims, cpu_tier)
         req = request_arrays(requests, dims, sessions, adapters)
         inputs = jax.device_put((params, req, model))
         start_program, chunk_program = _driver_programs(dims)
@@ -319,6 +327,13 @@ def with_lora(dims: EngineDims, lora) -> EngineDims:
     from blis_jax.engine.lora import engine_sizes
 
     return dims if lora is None else dataclasses.replace(dims, **engine_sizes(lora))
+
+
+def with_cpu_tier(dims: EngineDims, cpu) -> EngineDims:
+    """`dims` with the CPU-tier sizes of `cpu` (a cpu_tier.CpuTier; None: unchanged)."""
+    from blis_jax.engine import cpu_tier
+
+    return dims if cpu is None else dataclasses.replace(dims, **cpu_tier.engine_sizes(dims, cpu.blocks))
 
 
 def in_flight(s, num_requests: int):
@@ -392,4 +407,6 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
         kv_allocation_failures=int(s.kv_alloc_failures),
         peak_batch_size=int(s.peak_batch_len),
         result=code,
+        cpu_tier_counts=(np.array([int(s.cpu_misses)]), np.array([int(s.cpu_stores)]), np.array([int(s.cpu_evictions)]))
+        if dims.cpu_blocks else None,
     )

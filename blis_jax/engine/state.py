@@ -20,7 +20,9 @@ row (`blocks_per_request`), P preempted slots (`preempted_slots`), Q wait-window
 (`wait_slots`), E exit log (`exit_log`), K KV blocks (`kv_blocks`), F free ring (`free_ring`),
 G prefix groups (`prefix_groups`), PB blocks per prefix group (`prefix_blocks`), L step log
 (`step_log`), RL run log (`run_log`), T step trace (`trace_log`), C LoRA slots (`lora_slots`),
-A LoRA adapters (`lora_adapters`).
+A LoRA adapters (`lora_adapters`),
+CB CPU-tier slots (`cpu_blocks`), KS content keys (`cpu_keys`, 0 without a CPU tier),
+RA block-table rows with a CPU tier (`cpu_rows`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float64, Int32, Int64
 
+from blis_jax.engine import cpu_tier
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.params import INF_TIME
 
@@ -190,6 +193,20 @@ class EngineState(eqx.Module):
     lora_done: Int64[Array, ""]  # its completion time, INF_TIME none
     lora_tick: Int64[Array, ""]  # LRU clock
 
+    # legacy CPU KV tier (cpu_tier.py): CB store slots, KS content keys (both 0 without it)
+    cpu_slot_key: Int64[Array, " CB"]  # content key in each slot, -1 empty
+    cpu_slot_stamp: Int64[Array, " CB"]  # LRU stamp
+    cpu_key_slot: Int32[Array, " KS"]  # slot of each content key, -1 not on CPU
+    cpu_tick: Int64[Array, ""]
+    cpu_count: Int64[Array, ""]
+    cpu_stores: Int64[Array, ""]
+    cpu_evictions: Int64[Array, ""]
+    cpu_misses: Int64[Array, ""]
+    cpu_pending_us: Int64[Array, ""]  # reload time added to the step being formed
+    # KV tokens a row holds past its progress + this step's tokens: blocks reloaded beyond an
+    # admission's prefill chunk (BLIS then appends the next chunks after them); R rows, 0 without
+    row_ahead: Int64[Array, " RA"]
+
     # counters
     preemptions: Int64[Array, ""]
     kv_hits: Int64[Array, ""]
@@ -318,6 +335,8 @@ def init_state(
         lora_loading=i32(-1),
         lora_done=i64(INF_TIME),
         lora_tick=i64(0),
+        **cpu_tier.init_arrays(dims),
+        row_ahead=jnp.zeros(dims.cpu_rows, jnp.int64),
         preemptions=i64(0),
         kv_hits=i64(0),
         kv_misses=i64(0),

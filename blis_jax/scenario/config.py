@@ -69,6 +69,12 @@ class Deployment:
     coefficients: str | Path | None = None
     total_kv_blocks: int | None = None
     block_size: int = 16
+    # BLIS's legacy CPU KV tier (engine/cpu_tier.py): 0 blocks = none. The offload threshold is
+    # accepted and ignored, as BLIS ignores it; bandwidth in blocks per µs, base latency in µs.
+    kv_cpu_blocks: int = 0
+    kv_offload_threshold: float = 0.9
+    kv_transfer_bandwidth: float = 100.0
+    kv_transfer_base_latency: int = 0
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 0
     prefill_hardware: str | None = None
@@ -101,6 +107,11 @@ class Deployment:
             if tp is not None and (not _is_int(tp) or tp < 1):
                 raise ConfigError(f"{name(f'deployment.{pool}_tp')} {tp}: the tensor-parallel degree must be >= 1 "
                                   f"(leave it unset to use {name('deployment.tp')})")
+        _check_int("deployment.kv_cpu_blocks", self.kv_cpu_blocks, 0, limits.MAX_KV_BLOCKS, " blocks")
+        _check_int("deployment.kv_transfer_base_latency", self.kv_transfer_base_latency, 0)
+        bw = self.kv_transfer_bandwidth
+        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
+            raise ConfigError(f"{name('deployment.kv_transfer_bandwidth')} {bw!r}: must be a finite number > 0")
         if self.total_kv_blocks is not None:
             if not _is_int(self.total_kv_blocks) or self.total_kv_blocks < 1:
                 raise ConfigError(f"{name('deployment.total_kv_blocks')} {self.total_kv_blocks}: must be >= 1 "

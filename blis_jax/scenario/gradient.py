@@ -96,6 +96,9 @@ def fixed_schedule_metrics(scenario: ScenarioConfig | ResolvedScenario,
     if resolved.lora is not None:
         raise ConfigError(f"{name('lora.config')}: the schedule model does not include the LoRA step overhead yet; "
                           "drop the LoRA configuration to differentiate")
+    if resolved.cpu_tier is not None:
+        raise ConfigError(f"{name('deployment.kv_cpu_blocks')}: the schedule model does not include the CPU KV tier; "
+                          "drop it to differentiate")
     model = resolved.latency_model
     if model.kind != "trained-physics" or model.num_betas < 10:
         why = ("roofline is not linear in coefficients" if model.kind != "trained-physics"

@@ -76,6 +76,7 @@ class ResolvedScenario:
     requests: RequestSet | None = None
     sessions: object | None = None          # SessionLinks of closed-loop sessions, else None
     lora: object | None = None              # engine.lora.LoraConfig, None without adapters
+    cpu_tier: object | None = None          # engine.cpu_tier.CpuTier, None without a CPU KV tier
     header: TraceHeader = TraceHeader()
     goodput_targets: Mapping | None = None
     startup: infra.StartupInstances | None = None  # node pools: the placed startup instances
@@ -180,7 +181,7 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
         long_prefill_token_threshold=e.long_prefill_token_threshold, scheduler=e.scheduler,
         preemption_policy=e.preemption_policy, horizon_us=horizon_us, cluster=cluster,
         kv_bytes_per_token=kv_bytes_per_token(arch, tp), prefill_pool=pools["prefill"], decode_pool=pools["decode"],
-        startup=startup, lora=lora)
+        startup=startup, lora=lora, cpu_tier=_cpu_tier(d))
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -249,6 +250,11 @@ def _resolve_trace(config: ScenarioConfig, w: TraceWorkload, warn: Warn) -> Reso
     header, requests = read_trace(w.header, w.data)
     if len(requests) == 0:
         raise ConfigError(f"{name('workload.data')} {w.data}: no request records; the CSV has only a header row")
+    if header.extra.get("kv_offload") is not None:
+        # BLIS replays the header's offload chain; results without it would be silently wrong
+        raise ConfigError(f"{name('workload.header')} {w.header}: the kv_offload block (multi-tier KV offload, "
+                          "BLIS --kv-offload-config) is not simulated by blis-jax yet (issue #24); remove the block "
+                          "to replay the trace without offload")
     limits.check_requests(len(requests), "replay a part of the trace")
     resolved = resolve_deployment(config, horizon_us=replay_horizon(config.horizon_us, requests), warn=warn)
     return dataclasses.replace(resolved, requests=requests, header=dataclasses.replace(header, mode="replayed"),
@@ -312,6 +318,16 @@ def _hardware_and_tp(d: Deployment, hf_id: str) -> tuple[str, int]:
     hardware = d.hardware or (defaults[0] if defaults else DEFAULT_HARDWARE)
     tp = d.tp if d.tp else (defaults[1] if defaults else DEFAULT_TP)
     return hardware, tp
+
+
+def _cpu_tier(d: Deployment):
+    """The legacy CPU KV tier of the deployment, None without `kv_cpu_blocks`."""
+    if not d.kv_cpu_blocks:
+        return None
+    from blis_jax.engine.cpu_tier import CpuTier
+
+    return CpuTier(blocks=d.kv_cpu_blocks, bandwidth=float(d.kv_transfer_bandwidth),
+                   base_latency_us=int(d.kv_transfer_base_latency))
 
 
 def _kv_blocks(d: Deployment, arch, gpu, tp: int, warn: Warn, lora_reserve_gib: float = 0.0) -> int:

@@ -172,6 +172,10 @@ def _table() -> tuple[Setting, ...]:
         _s("total-kv-blocks", "deployment.total_kv_blocks", int),
         _s("block-size-in-tokens", "deployment.block_size", int),
         _s("gpu-memory-utilization", "deployment.gpu_memory_utilization", float),
+        _s("kv-cpu-blocks", "deployment.kv_cpu_blocks", int),
+        _s("kv-offload-threshold", "deployment.kv_offload_threshold", float),
+        _s("kv-transfer-bandwidth", "deployment.kv_transfer_bandwidth", float),
+        _s("kv-transfer-base-latency", "deployment.kv_transfer_base_latency", int),
         # batch formation and scheduling
         _s("max-num-seqs", "engine.max_num_seqs", int, aliases=("max-num-running-reqs",)),
         _s("max-num-batched-tokens", "engine.max_num_batched_tokens", int, aliases=("max-num-scheduled-tokens",)),

@@ -110,6 +110,11 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
         settings["events_per_chunk"] = events_per_chunk
     if resolved.lora is not None:
         settings["lora"] = resolved.lora
+    if resolved.cpu_tier is not None:
+        if not resolved.single_instance or resolved.sessions is not None:
+            raise ConfigError(f"{name('deployment.kv_cpu_blocks')}: the CPU KV tier is simulated on one instance "
+                              "without closed-loop sessions for now; drop it or use one instance")
+        settings["cpu_tier"] = resolved.cpu_tier
     params, model, requests, views = resolved.params, resolved.latency_model, resolved.requests, None
     if resolved.sessions is not None:
         served = resolved.cluster.served_model

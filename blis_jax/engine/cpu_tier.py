@@ -1,0 +1,207 @@
+"""BLIS's legacy CPU KV tier (blis-features §2.10, `--kv-cpu-blocks`; `sim/kv/tiered.go`).
+
+A CPU store of block contents keyed by content key (kv.content_key stands in for BLIS's hash),
+LRU over at most `capacity` entries:
+
+* after each step every hashed block of the running requests is written through to it
+  (`mirror`): an entry already there is touched, a new one is stored, evicting the least
+  recently used entry when the store is full;
+* when a new request is allocated, the full prompt blocks after its GPU-cached prefix that are
+  on CPU are reloaded into free GPU blocks (`reload`, with BLIS's order of operations: see there);
+  each adds `reload_us` = base latency + ⌈block size / bandwidth⌉ µs to the current step. The
+  request then claims the GPU-cached prefix as it stands after the reload (batch.py); its
+  prefill chunk, fixed before the reload, is not shortened.
+
+In the engine the store is `dims.cpu_blocks` slots (key, LRU stamp) plus a key → slot map over
+the whole key space (`dims.cpu_keys`), so membership is one gather and runs stay jitted and
+vmappable. `dims.cpu_blocks == 0` (no CPU tier) traces none of this.
+
+Known differences from BLIS (tests/blis_diff.py names the reference cases they affect; the eager
+reference tests/reference_tiered.py has the first two right):
+* one pass of `mirror` touches every entry it sees before it evicts: BLIS's sequential pass can
+  evict an old entry that the same pass touches later (it is then stored again); the vectorized
+  pass keeps it instead. Each pass's new entries are ordered as BLIS stores them. This changes
+  the store and eviction counts (KV Thrashing Rate) under CPU pressure;
+* blocks a request allocates at token positions other than their index (after a reload re-keyed
+  its own cached blocks, or past a prefix that reached beyond its chunk) get no content key, so
+  they are not written to CPU; BLIS gives them hashes nothing else has and stores them;
+* an allocation that fails after a reload claims nothing, where BLIS leaves the claimed prefix
+  committed to the waiting request (no rollback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Int64
+
+from blis_jax.engine.dims import EngineDims, bucket
+from blis_jax.engine.loops import masked_while
+from blis_jax.errors import ConfigError
+
+BIG = (1 << 62)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuTier:
+    """Host-side settings: `--kv-cpu-blocks`, `--kv-transfer-bandwidth` (BLIS calls it blocks per
+    tick, but divides the block size in tokens by it; see reload_time_us),
+    `--kv-transfer-base-latency` (µs). BLIS's `--kv-offload-threshold` is ignored, as BLIS ignores it."""
+
+    blocks: int
+    bandwidth: float = 100.0
+    base_latency_us: int = 0
+
+
+class CpuTierParams(eqx.Module):
+    capacity: Int64[Array, ""]  # CPU blocks (--kv-cpu-blocks)
+    reload_us: Int64[Array, ""]  # step-time cost of one reloaded block
+
+
+def reload_time_us(block_size: int, bandwidth: float, base_latency: int) -> int:
+    """Step time of one reloaded block: base latency + ⌈block size (tokens) / bandwidth⌉ µs, as BLIS."""
+    return int(base_latency) + math.ceil(block_size / bandwidth)
+
+
+def make_params(cpu_blocks: int, block_size: int, bandwidth: float, base_latency: int) -> CpuTierParams:
+    if not (isinstance(bandwidth, (int, float)) and math.isfinite(bandwidth) and bandwidth > 0):
+        raise ConfigError(f"--kv-transfer-bandwidth must be a finite number > 0, got {bandwidth!r}")
+    if int(base_latency) < 0:
+        raise ConfigError(f"--kv-transfer-base-latency must be >= 0, got {base_latency!r}")
+    return CpuTierParams(capacity=jnp.asarray(int(cpu_blocks), jnp.int64),
+                         reload_us=jnp.asarray(reload_time_us(block_size, bandwidth, base_latency), jnp.int64))
+
+
+def engine_sizes(dims: EngineDims, cpu_blocks: int) -> dict:
+    """Dims of a run with a CPU tier of `cpu_blocks` blocks. Its steps are not coasted (coast.py
+    does not mirror)."""
+    keys = dims.prefix_groups * dims.prefix_blocks + dims.num_requests * dims.blocks_per_request
+    return dict(cpu_blocks=bucket(cpu_blocks, 16), cpu_keys=keys, coast_steps=1)
+
+
+def init_arrays(dims: EngineDims) -> dict:
+    c, k = dims.cpu_blocks, dims.cpu_keys if dims.cpu_blocks else 0
+    return dict(
+        cpu_slot_key=jnp.full(c, -1, jnp.int64),
+        cpu_slot_stamp=jnp.full(c, BIG, jnp.int64),
+        cpu_key_slot=jnp.full(k, -1, jnp.int32),
+        cpu_tick=jnp.int64(0),
+        cpu_count=jnp.int64(0),
+        cpu_stores=jnp.int64(0),
+        cpu_evictions=jnp.int64(0),
+        cpu_misses=jnp.int64(0),
+        cpu_pending_us=jnp.int64(0),
+    )
+
+
+def on_cpu(state, keys):
+    """Whether each content key has an entry on CPU."""
+    return state.cpu_key_slot[jnp.clip(keys, 0, state.cpu_key_slot.shape[0] - 1)] >= 0
+
+
+def mirror(state, dims: EngineDims, params, active):
+    """Write every hashed block of the running batch through to CPU (batch order, block order)."""
+    from blis_jax.engine.state import NO_KEY
+
+    slots = jnp.arange(dims.batch_slots)
+    rows = jnp.maximum(state.batch_rows, 0)
+    j = jnp.arange(dims.blocks_per_request)
+    in_row = active & (slots < state.batch_len)[:, None] & (j[None, :] < state.row_nblocks[rows][:, None])
+    blocks = state.row_blocks[rows]
+    keys = jnp.where(in_row, state.block_key[jnp.maximum(blocks, 0)], NO_KEY).reshape(-1)
+    valid = keys != NO_KEY
+    m = keys.shape[0]
+    pos = jnp.arange(m, dtype=jnp.int64)
+    nk = dims.cpu_keys
+    safe_key = jnp.where(valid, keys, nk)
+    first_pos = jnp.full(nk, m, jnp.int64).at[safe_key].min(pos, mode="drop")
+    first = valid & (first_pos[jnp.minimum(safe_key, nk - 1)] == pos)
+    slot = state.cpu_key_slot[jnp.minimum(safe_key, nk - 1)]
+    present = first & (slot >= 0)
+    new = first & (slot < 0)
+    n_new = jnp.sum(new).astype(jnp.int64)
+    stamp = state.cpu_tick + pos
+    c = dims.cpu_blocks
+    slot_stamp = state.cpu_slot_stamp.at[jnp.where(present, slot, c)].set(stamp, mode="drop")
+    evict = jnp.maximum(state.cpu_count + n_new - params.cpu.capacity, 0)
+
+    # Eviction of the `evict` least recently used entries: a loop of at most one iteration so
+    # that under vmap the sort runs only on lanes that evict.
+    def cond(carry, ops):
+        return ~carry[-1] & (ops[0] > 0)
+
+    def body(carry, ops, on):
+        slot_key, slot_stamp, key_slot, _ = carry
+        evict, = ops
+        order = jnp.argsort(jnp.where(slot_key >= 0, slot_stamp, BIG))
+        rank = jnp.zeros(c, jnp.int64).at[order].set(jnp.arange(c, dtype=jnp.int64))
+        gone = on & (slot_key >= 0) & (rank < evict)
+        key_slot = key_slot.at[jnp.where(gone, slot_key, nk)].set(-1, mode="drop")
+        return (jnp.where(gone, -1, slot_key), jnp.where(gone, BIG, slot_stamp), key_slot, on)
+
+    slot_key, slot_stamp, key_slot, _ = masked_while(
+        cond, body, (state.cpu_slot_key, slot_stamp, state.cpu_key_slot, jnp.asarray(False)), (evict,))
+    # New entries, in pass order, into the free slots below the capacity, in slot order.
+    empty = (slot_key < 0) & (jnp.arange(c) < params.cpu.capacity)
+    free_slots = jnp.nonzero(empty, size=c, fill_value=c)[0]
+    rank = jnp.cumsum(new) - 1
+    dest = jnp.where(new, free_slots[jnp.clip(rank, 0, c - 1)], c)
+    dest = jnp.where(rank < jnp.sum(empty), dest, c)
+    slot_key = slot_key.at[dest].set(keys, mode="drop")
+    slot_stamp = slot_stamp.at[dest].set(stamp, mode="drop")
+    key_slot = key_slot.at[jnp.where(dest < c, safe_key, nk)].set(dest.astype(jnp.int32), mode="drop")
+    return dataclasses.replace(
+        state,
+        cpu_slot_key=slot_key,
+        cpu_slot_stamp=slot_stamp,
+        cpu_key_slot=key_slot,
+        cpu_tick=state.cpu_tick + jnp.where(active, m, 0),
+        cpu_count=jnp.sum(slot_key >= 0).astype(jnp.int64),
+        cpu_stores=state.cpu_stores + jnp.where(active, n_new, 0),
+        cpu_evictions=state.cpu_evictions + jnp.where(active, evict, 0),
+    )
+
+
+def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active):
+    """BLIS's reload from CPU when a new request is allocated (`sim/kv/tiered.go`).
+
+    From the first block past the GPU-cached prefix, the prompt's full blocks that are on CPU and
+    not on the GPU are reloaded, stopping at the first CPU miss, at the first block the GPU
+    already holds, and at the free count. Each reload pops the free-list head, takes the block's
+    content key and goes back to the free-list tail (refcount 0). The head can be one of the
+    request's own cached blocks, still on the free list: it is then re-keyed and its prefix lost
+    (BLIS claims the cached prefix only afterwards). Afterwards the GPU-cached prefix is looked up
+    again. Returns (state, the blocks of that prefix, its length, the number reloaded, the number
+    of the request's cached blocks re-keyed)."""
+    from blis_jax.engine import kv
+
+    m = dims.blocks_per_request
+    j = jnp.arange(m, dtype=jnp.int64)
+    keys = kv.content_key(dims, req, r, j)
+    n_full = req.input_len[r] // dims.block_size
+    # A block the GPU holds stops the reload unless the reload has popped it by then (BLIS checks
+    # block by block): reload i pops the free list's i-th block.
+    on_gpu = hit & ~(state.block_free[jnp.maximum(cand, 0)] & (kv.free_rank(state, dims, params.total_kv_blocks, cand)
+                                                              < j - n_hit))
+    want = on_cpu(state, keys) & ~on_gpu & (j < n_full)
+    run = jnp.sum(jnp.cumprod(jnp.where(j >= n_hit, want, True).astype(jnp.int32)) * (j >= n_hit))
+    run = jnp.where(active, jnp.minimum(run, state.free_count), 0).astype(jnp.int64)
+    # The request's cached blocks the reload pops (re-keyed): BLIS counts them as hits all the same.
+    lost = jnp.sum((j < n_hit) & state.block_free[jnp.maximum(cand, 0)]
+                   & (kv.free_rank(state, dims, params.total_kv_blocks, cand) < run)).astype(jnp.int64)
+    misses = state.kv_misses
+    state, ids = kv.pop_blocks(state, dims, run, params.total_kv_blocks, m)
+    live = j < run
+    state = kv.register_full_blocks(state, dims, req, jnp.broadcast_to(r, (m,)), ids, n_hit + j, live)
+    state = kv.push_free(state, dims, ids, live)
+    state = dataclasses.replace(state, kv_misses=misses,
+                                cpu_pending_us=state.cpu_pending_us + run * params.cpu.reload_us)
+    # the prefix as the GPU holds it now
+    k = jnp.clip(j - n_hit, 0, m - 1)
+    blocks = jnp.where((j >= n_hit) & (j < n_hit + run), ids[k], cand)
+    ok = (j < n_full) & (blocks >= 0) & (state.block_key[jnp.maximum(blocks, 0)] == keys)
+    n_cached = jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int64)
+    return state, blocks, n_cached, run, lost

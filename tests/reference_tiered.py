@@ -1,0 +1,169 @@
+"""Eager reference of BLIS's legacy CPU KV tier (`--kv-cpu-blocks`, `sim/kv/tiered.go`) on top of
+the pure-Python engine (reference_engine.py). Test oracle only.
+
+What it reproduces (each point needed by the blis-diff case G01, which it matches request by
+request; found by reading BLIS's outputs, blis-features §2.10 is less precise):
+
+* After each step's execution (before completions) every hashed block of the running batch is
+  written to an LRU CPU store, in batch order and block order (an entry already there is touched;
+  a new one evicts the least recently used entry when the store is full).
+* Allocating a new request (one that holds no blocks) with new tokens first reloads: from the first
+  full prompt block past the GPU-cached prefix, blocks on CPU and not on the GPU, stopping at the
+  first CPU miss, at a block the GPU holds (checked block by block: one the reload itself popped
+  no longer counts) and after as many reloads as the free list had blocks. Each reload pops the free-list
+  head -- possibly one of the request's own cached blocks, which are only claimed later: that
+  block is re-keyed and its place in the prefix lost -- takes the block's key and goes back to the
+  free-list tail with refcount 0; it adds the reload time to the current step.
+* The request's chunk (NumNewTokens) was fixed by batch formation from the GPU-cached prefix before
+  the reload and is not shortened.
+* After a reload the request claims the GPU-cached prefix as it is now (looked up again), at most
+  the blocks its chunk reaches; the chunk's tokens past that prefix get new blocks. When the
+  prefix ends before the chunk's start (own blocks re-keyed), or reaches past the chunk's end,
+  the blocks the request then allocates sit at other token positions than their index: BLIS
+  hashes them to keys nothing else has (here: a key with offset -1 or the gap). The request's
+  cached blocks that the reload re-keyed count as cache hits all the same.
+* Without a reload the allocation is the GPU's own.
+
+Not reproduced (G02): when the allocation fails after a reload BLIS keeps the claimed prefix
+committed to the waiting request; here nothing is claimed on failure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+from reference_engine import COMPLETED, EV_LEFT, LENGTH_CAPPED, KVCache, ReferenceEngine, StepRecord
+
+
+class TieredKVCache(KVCache):
+    def __init__(self, total_blocks: int, block_size: int, cpu_blocks: int, reload_us: int):
+        super().__init__(total_blocks, block_size)
+        self.cpu_blocks = cpu_blocks
+        self.reload_us = reload_us
+        self.cpu: OrderedDict = OrderedDict()   # key -> None, least recently used first
+        self.stores = self.evictions = self.reloads = self.pending_us = 0
+
+    def mirror(self, running):
+        for r in running:
+            for b in self.req_blocks.get(r.request_id, []):
+                h = self.hash[b]
+                if h is None:
+                    continue
+                if h in self.cpu:
+                    self.cpu.move_to_end(h)
+                    continue
+                if len(self.cpu) >= self.cpu_blocks:
+                    self.cpu.popitem(last=False)
+                    self.evictions += 1
+                self.cpu[h] = None
+                self.stores += 1
+
+    def allocate(self, req, start, end, cached=()):
+        if self.req_blocks.get(req.request_id) is not None or end <= start:
+            return super().allocate(req, start, end, cached)
+        bs = self.bs
+        n_full = req.input_len // bs
+        j, reloaded, room = len(cached), 0, len(self.free)
+        own, lost = set(cached), 0
+        while j < n_full and reloaded < room:
+            key = self.block_key(req, j, bs)
+            if key not in self.cpu or key in self.by_hash:
+                break
+            b = self.free.popitem(last=False)[0]
+            lost += b in own
+            old = self.hash[b]
+            if old is not None and self.by_hash.get(old) == b:
+                del self.by_hash[old]
+            self.hash[b], self.fill[b], self.ref[b] = key, bs, 0
+            self.by_hash[key] = b
+            self.free[b] = None                      # back at the tail, refcount 0
+            reloaded += 1
+            j += 1
+        self.pending_us += reloaded * self.reload_us
+        self.reloads += reloaded
+        if not reloaded:
+            return super().allocate(req, start, end, cached)
+        prefix = self.cached_blocks(req)
+        m = min(len(prefix), -(-end // bs))
+        s = max(start, len(prefix) * bs)
+        claim = prefix[:m]
+        need = (-(-(end - s) // bs) if end > s else 0) + len({b for b in claim if self.ref[b] == 0})
+        if need > len(self.free):
+            return False
+        self.hits += lost          # the request's cached blocks the reload re-keyed count as hits all the same
+        blocks = self.req_blocks[req.request_id] = []
+        self.req_offset[req.request_id] = -1 if end <= s else s - len(prefix) * bs
+        for b in claim:
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+            self.hits += 1
+            blocks.append(b)
+        return True if end <= s else super().allocate(req, s, end, ())
+
+
+class TieredEngine(ReferenceEngine):
+    def __init__(self, requests, cfg, lat, cpu_blocks: int, reload_us: int, record_steps: bool = True):
+        super().__init__(requests, cfg, lat, record_steps)
+        self.kv = TieredKVCache(cfg.total_kv_blocks, cfg.block_size, cpu_blocks, reload_us)
+
+    def _step(self, now: int):
+        """ReferenceEngine._step with the reload time added to the step and the CPU write-through
+        between execution and completions (blis-features §2.4)."""
+        if not self.running and not self.wait:
+            self.step_pending = False
+            return
+        self.c["step_count"] += 1
+        self._order_waitq()
+        st = self._form_batch(now)
+        sched = [r for r in self.running if r.num_new > 0]
+        feats = [(r.pi < r.input_len, r.num_new, r.pi, r.input_len) for r in sched]
+        dt = max(1, int(self.lat.step_time(feats))) + self.kv.pending_us
+        self.kv.pending_us = 0
+        log = [(r.request_id, r.num_new, r.pi) for r in self.running]
+        a2 = self.lat.output_token_time
+        for r in self.running:
+            if r.pi < r.input_len:
+                r.pi = r.computed
+            elif r.num_new > 0:
+                r.pi += 1
+                r.itl.append(dt + a2)
+            if r.pi == r.input_len and r.ttft is None:
+                r.ttft = now + dt + a2 - r.arrival
+        self.kv.mirror(self.running)
+        done, keep = [], []
+        for r in self.running:
+            if r.pi >= r.input_len + max(r.output_len, 1) - 1:
+                if r.output_len > 0 and r.pi < r.input_len + r.output_len:
+                    self.kv.allocate(r, r.pi, r.pi + 1)
+                self.kv.release(r)
+                r.state = COMPLETED
+                self._complete(r)
+                self._push(now + dt, EV_LEFT, "left", r)
+                done.append(r.request_id)
+            elif self.cfg.max_model_len > 0 and r.pi >= self.cfg.max_model_len - 1:
+                self.kv.release(r)
+                r.state = LENGTH_CAPPED
+                self.c["length_capped"] += 1
+                self._complete(r, capped=True)
+                self._push(now + dt, EV_LEFT, "left", r)
+                done.append(r.request_id)
+            else:
+                keep.append(r)
+        self.running = keep
+        if self.record_steps:
+            self.steps.append(StepRecord(now, dt, log, st["admitted"], st["preempted"], done))
+        if self.running or self.wait:
+            self._schedule_step(now + dt)
+        else:
+            self.step_pending = False
+
+
+def reload_time_us(block_size: int, bandwidth: float, base_latency: int) -> int:
+    return int(base_latency) + math.ceil(block_size / bandwidth)
+
+
+def simulate_tiered(requests, cfg, lat, cpu_blocks: int, reload_us: int, record_steps: bool = True):
+    eng = TieredEngine(requests, cfg, lat, cpu_blocks, reload_us, record_steps)
+    return eng.run(), eng.kv

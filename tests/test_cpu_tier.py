@@ -1,0 +1,150 @@
+"""Legacy CPU KV tier (engine/cpu_tier.py): invariants over a small run under GPU and CPU pressure.
+
+After every few events: every GPU block is either free or referenced (free count + referenced
+blocks = total), the CPU store holds at most its capacity, and its key -> slot map and slots
+agree one to one. The run must actually reload from CPU and evict from it (else the
+invariants would hold vacuously)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from blis_jax.engine import cpu_tier
+from blis_jax.engine import simulate as sim
+from blis_jax.engine.dims import choose_dims
+from blis_jax.workload.requests import make_request_set
+from engine_helpers import latency_model, params_from  # noqa: E402
+
+TOTAL_KV_BLOCKS = 48
+CPU_BLOCKS = 20
+
+
+def _scenario(groups_n: int = 4):
+    rng = np.random.default_rng(5)
+    n = 30
+    groups = rng.integers(0, groups_n, n)
+    requests = make_request_set(request_id=np.arange(n), arrival_us=np.arange(n) * 4000,
+                                input_len=64 + rng.integers(10, 120, n), output_len=rng.integers(5, 40, n),
+                                prefix_group=np.array([f"g{g}" for g in groups]), prefix_len=np.full(n, 64))
+    params = params_from(dict(max_num_seqs=8, max_num_batched_tokens=256, total_kv_blocks=TOTAL_KV_BLOCKS))
+    params = dataclasses.replace(params, cpu=cpu_tier.make_params(CPU_BLOCKS, 16, 2.0, 10))
+    dims = choose_dims(input_len=requests.input_len, output_len=requests.output_len,
+                       prefix_group=requests.prefix_group, prefix_len=requests.prefix_len, max_num_seqs=8,
+                       max_num_batched_tokens=256, total_kv_blocks=TOTAL_KV_BLOCKS, block_size=16)
+    dims = sim.with_cpu_tier(dims, cpu_tier.CpuTier(blocks=CPU_BLOCKS, bandwidth=2.0, base_latency_us=10))
+    return requests, params, dims
+
+
+@pytest.mark.slow  # two compilations (~25 s each on 2 cores)
+def test_blocks_conserved_and_cpu_within_capacity():
+    requests, params, dims = _scenario()
+    req = sim.request_arrays(requests, dims)
+    model = latency_model()
+    state = sim.start(dims, params, req, model)
+    advance = jax.jit(sim.run_until, static_argnums=0)
+    limit, checks = 0, 0
+    while True:
+        limit += 7
+        state = advance(dims, state, params, req, model, jnp.int64(limit))
+        s = jax.device_get(state)
+        total = TOTAL_KV_BLOCKS
+        referenced = int(np.sum(s.block_ref[:total] > 0))
+        assert int(s.free_count) + referenced == total, "GPU blocks: free + referenced != total"
+        assert np.all(s.block_ref[:total] >= 0)
+        assert np.array_equal(s.block_free[:total], s.block_ref[:total] == 0)
+        occupied = s.cpu_slot_key >= 0
+        assert int(occupied.sum()) == int(s.cpu_count) <= CPU_BLOCKS, "CPU entries over capacity"
+        assert not occupied[CPU_BLOCKS:].any()
+        mapped = np.nonzero(s.cpu_key_slot >= 0)[0]
+        assert len(mapped) == int(s.cpu_count)
+        assert np.array_equal(s.cpu_slot_key[s.cpu_key_slot[mapped]], mapped), "key -> slot -> key mismatch"
+        assert int(s.cpu_evictions) <= int(s.cpu_stores)
+        checks += 1
+        if bool(sim.finished(state, params, req)):
+            break
+    assert int(s.result) == 0 and checks > 3
+    assert int(s.cpu_evictions) > 0, "the scenario must evict from CPU"
+    assert int(s.finished) == len(requests)
+
+
+@pytest.mark.slow
+def test_reloads_add_hits_and_step_time():
+    """With the CPU tier, prefixes evicted from GPU come back as hits and each costs step time."""
+    requests, params, dims = _scenario(groups_n=10)
+    out = sim.simulate_instance(requests, dataclasses.replace(params, cpu=None), latency_model(), block_size=16)
+    tiered = sim.simulate_instance(requests, dataclasses.replace(params, cpu=None), latency_model(), block_size=16,
+                                   cpu_tier=cpu_tier.CpuTier(blocks=400, bandwidth=2.0, base_latency_us=10))
+    assert int(tiered.kv_hits[0]) > int(out.kv_hits[0])
+    misses, stores, evictions = (int(c[0]) for c in tiered.cpu_tier_counts)
+    assert stores > 0 and evictions == 0 and misses >= 0
+    # each reload makes a step 18 µs longer: some request's latency grows
+    assert (tiered.e2e_us != out.e2e_us).any()
+    assert out.cpu_tier_counts is None
+
+
+def test_reload_time():
+    assert cpu_tier.reload_time_us(16, 2.0, 10) == 18   # G01: 10 + ceil(16 / 2)
+    assert cpu_tier.reload_time_us(16, 0.5, 40) == 72   # G02: 40 + ceil(16 / 0.5)
+    assert cpu_tier.reload_time_us(16, 100.0, 0) == 1   # BLIS defaults: ceil(0.16)
+
+
+def test_replay_of_a_kv_offload_header_is_an_error(tmp_path):
+    """BLIS replays a header's multi-tier offload chain; blis-jax must not silently drop it."""
+    from blis_jax import ScenarioConfig, TraceWorkload, resolve
+    from blis_jax.errors import ConfigError
+    from blis_jax.workload.tracev2 import TraceHeader, write_trace
+
+    requests = make_request_set(request_id=np.arange(2), arrival_us=np.array([0, 10]), input_len=np.array([8, 8]),
+                                output_len=np.array([2, 2]))
+    header = TraceHeader(extra={"kv_offload": {"cpu_bytes_to_use": 1 << 30, "per_block_bytes": 1 << 20}})
+    yaml_path, csv_path = write_trace(tmp_path / "t", header, requests)
+    with pytest.raises(ConfigError, match="kv_offload"):
+        resolve(ScenarioConfig(workload=TraceWorkload(header=yaml_path, data=csv_path)))
+    plain_yaml, plain_csv = write_trace(tmp_path / "plain", TraceHeader(), requests)
+    assert len(resolve(ScenarioConfig(workload=TraceWorkload(header=plain_yaml, data=plain_csv))).requests) == 2
+
+
+def test_cpu_tier_settings_are_validated():
+    from blis_jax.errors import ConfigError
+    from blis_jax.scenario.config import Deployment
+
+    assert Deployment(kv_cpu_blocks=10, kv_transfer_bandwidth=0.5, kv_transfer_base_latency=40).kv_cpu_blocks == 10
+    for bad in (dict(kv_cpu_blocks=-1), dict(kv_transfer_bandwidth=0.0), dict(kv_transfer_base_latency=-3)):
+        with pytest.raises(ConfigError):
+            Deployment(**bad)
+
+
+@pytest.mark.slow  # one compilation (~25 s on 2 cores) and the eager oracle
+def test_reloads_as_the_oracle():
+    """The engine's reloads against the eager reference of BLIS's tiered allocation
+    (tests/reference_tiered.py) on a small run under GPU pressure with chunked prefills and
+    preemptions: re-keyed own blocks, reloads stopped by a GPU block, prefixes past the chunk.
+    The CPU store never evicts here (the engine's write-through pass keeps an entry that BLIS's
+    sequential pass evicts and stores again, see cpu_tier.py)."""
+    from blis_diff import TraceRequest
+    from reference_engine import EngineConfig
+    from reference_tiered import simulate_tiered
+    from test_reference_engine import latency_hooks
+
+    requests, params, _ = _scenario(groups_n=10)
+    tier = cpu_tier.CpuTier(blocks=400, bandwidth=2.0, base_latency_us=10)
+    out = sim.simulate_instance(requests, dataclasses.replace(params, cpu=None), latency_model(), block_size=16,
+                                cpu_tier=tier)
+    reqs = [TraceRequest(request_id=int(requests.request_id[i]), arrival_us=int(requests.arrival_us[i]),
+                         input_len=int(requests.input_len[i]), output_len=int(requests.output_len[i]), deadline_us=0,
+                         prefix_group=str(requests.prefix_group[i]), prefix_len=int(requests.prefix_len[i]),
+                         slo_class="", priority=1) for i in range(len(requests.request_id))]
+    case = dict(model="meta-llama/Llama-3.1-8B-Instruct", hardware="H100", tp=1, latency_model="trained-physics")
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, total_kv_blocks=TOTAL_KV_BLOCKS, block_size=16)
+    res, kv = simulate_tiered(reqs, cfg, latency_hooks(case, [r.input_len for r in reqs]), tier.blocks,
+                              cpu_tier.reload_time_us(16, tier.bandwidth, tier.base_latency_us))
+    assert kv.reloads > 20 and res.counters["preemption_count"] > 0 and kv.evictions == 0
+    for i, r in enumerate(reqs):
+        assert (res.requests[r.request_id]["ttft_us"], res.requests[r.request_id]["e2e_us"]) == \
+            (int(out.ttft_us[i]), int(out.e2e_us[i])), r.request_id
+    assert (int(out.kv_hits[0]), int(out.kv_misses[0])) == (kv.hits, kv.misses)
