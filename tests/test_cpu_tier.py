@@ -19,6 +19,7 @@ from blis_jax.engine import simulate as sim
 from blis_jax.engine.dims import choose_dims
 from blis_jax.workload.requests import make_request_set
 from engine_helpers import latency_model, params_from  # noqa: E402
+from shared_data import BLIS_DIFF, needs_blis_diff as needs_shared  # noqa: E402
 
 TOTAL_KV_BLOCKS = 48
 CPU_BLOCKS = 20
@@ -148,3 +149,37 @@ def test_reloads_as_the_oracle():
         assert (res.requests[r.request_id]["ttft_us"], res.requests[r.request_id]["e2e_us"]) == \
             (int(out.ttft_us[i]), int(out.e2e_us[i])), r.request_id
     assert (int(out.kv_hits[0]), int(out.kv_misses[0])) == (kv.hits, kv.misses)
+
+
+def test_reload_failure_warning_only_when_counted():
+    """The warning is said once with the count over instances, and never without a failure or a tier."""
+    from types import SimpleNamespace
+
+    from blis_jax.scenario.simulate import _warn_cpu_reload_failures
+
+    said = []
+    for counts in (None, np.array([0]), np.array([3, 4])):
+        _warn_cpu_reload_failures(SimpleNamespace(cpu_reload_failures=counts), said.append)
+    assert len(said) == 1 and said[0].startswith("7 allocation(s) failed after reloading blocks from the CPU tier")
+
+
+@needs_shared
+@pytest.mark.slow  # one compilation and run per case (~25 s, ~50 s on 2 cores)
+@pytest.mark.parametrize("case_id", ["G01", "G02"])
+def test_reload_failures_counted_and_warned(case_id):
+    """G01 (request by request as BLIS) has no allocation that fails after a reload; G02 (off
+    BLIS by the no-rollback quirk) has many, and `simulate` says so instead of staying silent."""
+    from blis_jax import simulate
+    from test_api_parity import case_config
+
+    said = []
+    out = simulate(case_config(next(BLIS_DIFF.glob(f"{case_id}_*"))), warn=said.append).output
+    failures = int(out.cpu_reload_failures.sum())
+    warned = [w for w in said if "after reloading blocks from the CPU tier" in w]
+    if case_id == "G01":
+        assert failures == 0 and warned == []
+    else:
+        assert failures > 0 and warned == [f"{failures} allocation(s) failed after reloading blocks from the CPU "
+                                           "tier; BLIS keeps the reloaded prefix held by the waiting request and "
+                                           "blis-jax does not, so figures under this KV pressure differ from "
+                                           "BLIS's (preemptions, TTFT)"]

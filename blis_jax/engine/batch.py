@@ -219,9 +219,11 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         if dims.cpu_blocks:
             # Not yet as BLIS: an admission that fails after a reload leaves nothing claimed here,
             # where BLIS keeps the claimed prefix committed to the waiting request (no rollback;
-            # the G02 case). CPU misses: failed allocations without a reload.
+            # the G02 case): those are counted, for a warning. CPU misses: failed allocations
+            # without a reload.
             state = dataclasses.replace(
-                state, cpu_misses=state.cpu_misses + (on & ~prefilled & (n > 0) & (n_reload == 0) & ~admit))
+                state, cpu_misses=state.cpu_misses + (on & ~prefilled & (n > 0) & (n_reload == 0) & ~admit),
+                cpu_reload_failures=state.cpu_reload_failures + ((n_reload > 0) & ~admit))
 
         free_row = jnp.argmax(state.row_state == ROW_FREE)
         no_row = admit & (old_row < 0) & (state.row_state[free_row] != ROW_FREE)

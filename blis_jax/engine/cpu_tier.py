@@ -26,7 +26,9 @@ reference tests/reference_tiered.py has the first two right):
   its own cached blocks, or past a prefix that reached beyond its chunk) get no content key, so
   they are not written to CPU; BLIS gives them hashes nothing else has and stores them;
 * an allocation that fails after a reload claims nothing, where BLIS leaves the claimed prefix
-  committed to the waiting request (no rollback).
+  committed to the waiting request (no rollback). The engine counts these allocations
+  (`cpu_reload_failures`, SimOutput.cpu_reload_failures) and `simulate` warns when there are
+  any, so that figures off BLIS's in that regime are never given silently.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def init_arrays(dims: EngineDims) -> dict:
         cpu_stores=jnp.int64(0),
         cpu_evictions=jnp.int64(0),
         cpu_misses=jnp.int64(0),
+        cpu_reload_failures=jnp.int64(0),
         cpu_pending_us=jnp.int64(0),
     )
 

@@ -111,6 +111,9 @@ class SimOutput:
     extra_arrivals: np.ndarray | None = None
     # legacy CPU KV tier (engine/cpu_tier.py): (CPU misses, stores, evictions) per instance [I]
     cpu_tier_counts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # ... and its allocations that failed after reloading blocks from CPU, per instance [I]: BLIS
+    # keeps the reloaded prefix held by the waiting request there, blis-jax does not (cpu_tier.py)
+    cpu_reload_failures: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():

@@ -409,4 +409,5 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
         result=code,
         cpu_tier_counts=(np.array([int(s.cpu_misses)]), np.array([int(s.cpu_stores)]), np.array([int(s.cpu_evictions)]))
         if dims.cpu_blocks else None,
+        cpu_reload_failures=np.array([int(s.cpu_reload_failures)]) if dims.cpu_blocks else None,
     )

@@ -202,6 +202,7 @@ class EngineState(eqx.Module):
     cpu_stores: Int64[Array, ""]
     cpu_evictions: Int64[Array, ""]
     cpu_misses: Int64[Array, ""]
+    cpu_reload_failures: Int64[Array, ""]  # allocations that failed after reloading from CPU
     cpu_pending_us: Int64[Array, ""]  # reload time added to the step being formed
     # KV tokens a row holds past its progress + this step's tokens: blocks reloaded beyond an
     # admission's prefill chunk (BLIS then appends the next chunks after them); R rows, 0 without

@@ -140,6 +140,7 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
         raise SimulationFailed(f"the engine stopped early ({result_codes.fix(out.result)}); its outputs would be "
                                "incomplete, so none are given")
     _warn_routing_rejections(out, requests, warn)
+    _warn_cpu_reload_failures(out, warn)
     return SimulationResult(scenario=resolved, requests=requests, output=out, views=views)
 
 
@@ -157,3 +158,12 @@ def _warn_routing_rejections(out, requests, warn: Warn | None) -> None:
     shown = ", ".join(ids) if len(ids) <= 4 else f"{', '.join(ids[:3])}, ..., {ids[-1]}"
     (warn or _python_warning)(f"{len(ids)} request(s) rejected at routing: no routable instance served their model "
                               f"when they arrived (instances Loading or Draining, or another model): {shown}")
+
+
+def _warn_cpu_reload_failures(out, warn: Warn | None) -> None:
+    """The CPU KV tier's known difference from BLIS (engine/cpu_tier.py): said, not given silently."""
+    if out.cpu_reload_failures is None or not out.cpu_reload_failures.any():
+        return
+    (warn or _python_warning)(f"{int(out.cpu_reload_failures.sum())} allocation(s) failed after reloading blocks from "
+                              "the CPU tier; BLIS keeps the reloaded prefix held by the waiting request and blis-jax "
+                              "does not, so figures under this KV pressure differ from BLIS's (preemptions, TTFT)")
