@@ -37,6 +37,7 @@ from blis_jax.cluster import admission as adm
 from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import deployments, lifecycle, routing, signals
 from blis_jax.cluster import scaling
+from blis_jax.cluster import timeline
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import scorers as sc
@@ -168,6 +169,8 @@ class ClusterState(eqx.Module):
     lifecycle: lifecycle.Lifecycle  # per-slot instance states: the routable mask (lifecycle.py)
     scaling: scaling.ScalingState | None  # the autoscaler's ticks, actuations and log (None without)
     result: Int32[Array, ""]
+    # with the autoscaler: when each slot entered each lifecycle state (timeline.py; None without)
+    entered: Int64[Array, "I S"] | None = None
 
 
 # ---------------------------------------------------------------------------- what the router reads
@@ -259,6 +262,7 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
     frozen = (group_blocks_cached(instances, dims) if cd.reads_prefix_cache else jnp.zeros((i, 1, 1), bool))
     n = dims.num_requests
     policy, prefill_routing, decode_routing = routings
+    life = lifecycle_state if lifecycle_state is not None else lifecycle.all_active(cparams.active)
     return ClusterState(
         instances=instances,
         next_request=jnp.asarray(0, jnp.int32),
@@ -280,9 +284,10 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         handled_by=jnp.full(n, -1, jnp.int32),
         rejected=jnp.zeros(n, bool),
         routing_rejected=jnp.zeros(n, bool),
-        lifecycle=lifecycle_state if lifecycle_state is not None else lifecycle.all_active(cparams.active),
+        lifecycle=life,
         scaling=scaling_state,
         result=jnp.asarray(0, jnp.int32),
+        entered=timeline.initial(life.state) if scaling_state is not None else None,
     )
 
 
@@ -735,6 +740,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
     def body(c, ops, on):
         params, lparams, cparams, req, out_len, model, limit = ops
         out_len = lane_output_len(cparams, req, c) if out_len is None else out_len
+        before = c.lifecycle.state
         t_cluster = _routing_or_transfer_time(c, cparams, params, req)
         # InstanceLoaded events (past the horizon: never executed)
         t_loaded = lifecycle.next_loaded(c.lifecycle)
@@ -803,6 +809,10 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
             c = _scaling_tick(c, cd, cparams, req, t_scaling_tick, go & is_scaling_tick)
             go = go & ~is_scaling_tick
             c = _scale_actuation(c, cd, cparams, t_act, go & (t_act <= t_cluster))
+            # the iteration's transitions happened at its cluster event (a drained instance that
+            # empties after the last one: at its own clock, which an idle one has left behind)
+            now = jnp.where(t_cluster < INF_TIME, t_cluster, jnp.maximum(c.instances.now, jnp.max(c.entered, axis=1)))
+            c = dataclasses.replace(c, entered=timeline.record(c.entered, before, c.lifecycle.state, now))
         return c
 
     return masked_while(cond, body, cs, (params, lparams, cparams, req, static_out_len, model, event_limit))
