@@ -41,6 +41,7 @@ from blis_jax.scenario import ResolvedScenario
 EVENTS_PER_CHUNK = 200_000  # as simulate_cluster's default (it sizes the step log: part of the program)
 MAX_NEW_SLOTS = 64 * cluster_sim.NEW_SLOTS
 
+MAX_BATCH = 64  # runs stacked in one batch at most (each holds a whole cluster state)
 _PROGRAMS: dict = {}  # (cluster dims, mode) → jitted batched chunk
 
 
@@ -169,11 +170,12 @@ def check_batchable(scenario: ResolvedScenario, where: str = "scenario") -> None
 
 
 def simulate_batched(scenarios: Sequence[ResolvedScenario], *, events_per_chunk: int = EVENTS_PER_CHUNK,
-                     mode: str | None = None) -> list[SimOutput]:
+                     mode: str | None = None, max_batch: int | None = None) -> list[SimOutput]:
     """Simulate autoscaled cluster scenarios that share one program's structure as batched
     calls; returns each scenario's `SimOutput`, equal to its own `simulate_cluster` run.
     `mode`: "vmap" (accelerators' default) or "map" (CPU's). Scenarios whose programs differ in
-    structure run in separate batches (one per structure)."""
+    structure run in separate batches (one per structure); `max_batch` caps the runs stacked in
+    one batch (None: MAX_BATCH)."""
     mode = mode or default_mode()
     if mode not in ("vmap", "map"):
         raise ConfigError(f"mode must be vmap or map, got {mode!r}")
@@ -194,7 +196,8 @@ def simulate_batched(scenarios: Sequence[ResolvedScenario], *, events_per_chunk:
             built[i] = (prepared, cd, cs, inputs, readers, edims)
             batches[_signature(cd, cs, inputs)].append(i)
         pending = []
-        for members in batches.values():
+        max_batch = max_batch or MAX_BATCH
+        for members in [m[k:k + max_batch] for m in batches.values() for k in range(0, len(m), max_batch)]:
             cd = built[members[0]][1]
             cs = _stack([built[i][2] for i in members])
             inputs = _stack([built[i][3] for i in members])
