@@ -170,18 +170,20 @@ def check_batchable(scenario: ResolvedScenario, where: str = "scenario") -> None
 
 
 def simulate_batched(scenarios: Sequence[ResolvedScenario], *, events_per_chunk: int = EVENTS_PER_CHUNK,
-                     mode: str | None = None, max_batch: int | None = None) -> list[SimOutput]:
+                     mode: str | None = None, max_batch: int | None = None, new_slots: int = cluster_sim.NEW_SLOTS
+                     ) -> list[SimOutput]:
     """Simulate autoscaled cluster scenarios that share one program's structure as batched
     calls; returns each scenario's `SimOutput`, equal to its own `simulate_cluster` run.
     `mode`: "vmap" (accelerators' default) or "map" (CPU's). Scenarios whose programs differ in
     structure run in separate batches (one per structure); `max_batch` caps the runs stacked in
-    one batch (None: MAX_BATCH)."""
+    one batch (None: MAX_BATCH); `new_slots`: instance slots planned for each run's autoscaler
+    (on node pools; 4x as many on a rerun when they ran out)."""
     mode = mode or default_mode()
     if mode not in ("vmap", "map"):
         raise ConfigError(f"mode must be vmap or map, got {mode!r}")
     for k, s in enumerate(scenarios):
         check_batchable(s, f"scenario {k}")
-    runs = [_Run(s) for s in scenarios]
+    runs = [_Run(s, new_slots=new_slots) for s in scenarios]
     outputs: list = [None] * len(runs)
     pending = list(range(len(runs)))
     while pending:
