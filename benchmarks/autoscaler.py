@@ -1,17 +1,20 @@
 """Autoscaler benchmark: one command, prints figures.
 
     python benchmarks/autoscaler.py              # a day-long diurnal ramp on a 64-slot cluster
-    python benchmarks/autoscaler.py --quick      # fewer requests (a smoke run)
-    python benchmarks/autoscaler.py --requests 20000 --policies 8
+    python benchmarks/autoscaler.py --quick      # the same cycle compressed into 1 hour
+    python benchmarks/autoscaler.py --hours 6 --policies 9 --skip-grid
 
 Part 1, one autoscaled cluster: 4 startup instances (Llama-3.1-8B-Instruct, H100, TP 1) on
 node pools of 8 nodes x 8 GPUs, 64 instance slots (the startup 4 + 60 for the autoscaler), the
-V2 saturation analyzer ticking every 30 s with a 2-minute scale-down window and 60-90 s
-loading delays, under a diurnal day: arrivals over 24 simulated hours at a rate
-mean x (1 - depth·cos(2π t / 24 h)) (trough at midnight, peak at noon; Poisson, thinned),
-Gaussian prompt (600 ± 150) and output (1000 ± 300) lengths, and a small KV cache per
-instance (300 blocks of 16 tokens), so that a handful of concurrent requests saturate an
-instance and the instance count follows the load. Reported: wall time of the first pass
+V2 saturation analyzer ticking every 30 s with a 2-minute scale-down window and ~75 s
+loading delays, under a diurnal day: Poisson arrivals over 24 simulated hours at a rate of
+1 req/s x (1 - 0.7·cos(2π t / 24 h)) (trough 0.3 req/s at midnight, peak 1.7 req/s at noon;
+~86k requests), Gaussian prompt (500 ± 150) and long output (4000 ± 500) lengths, and a
+KV cache of 800 blocks of 16 tokens per instance, so that about four concurrent requests
+saturate an instance and the instance count follows the load. The trough must keep requests
+in flight at every tick: BLIS's analyzer drains every instance of a model whose demand is
+zero at a tick, and never scales up from zero (the request lengths are long for that reason:
+in-flight requests per arrival rate). Reported: wall time of the first pass
 (tracing and compilation included) and of a second pass (same shapes: the compiled program
 is reused), simulated requests per second of wall time (second pass), peak memory (max RSS of
 the process), and the scale events (instances placed, instances drained) with the peak
@@ -35,35 +38,34 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DAY_S = 86_400.0
 SLOTS = 64
 STARTUP = 4
-DEPTH = 0.5
+DEPTH = 0.7
+MEAN_RATE = 1.0  # requests / s over the cycle
 
 
 def max_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0   # Linux: KiB
 
 
-def diurnal_requests(n: int, depth: float, seed: int):
-    """n requests over one simulated day, Poisson at a rate ∝ 1 - depth·cos(2π t / day)."""
+def diurnal_requests(mean_rate: float, hours: float, depth: float, seed: int):
+    """Poisson arrivals over one diurnal cycle of `hours` hours at a rate
+    mean_rate x (1 - depth·cos(2π t / cycle)) (trough at t = 0, peak at half the cycle)."""
     import numpy as np
 
     from blis_jax.workload.requests import make_request_set
 
     rng = np.random.default_rng(seed)
-    times: list = []
-    mean = n / DAY_S
-    while len(times) < n:   # thinning of a Poisson process at the peak rate
-        t = np.cumsum(rng.exponential(1.0 / (mean * (1 + depth)), size=4 * n))
-        t = t[t < DAY_S]
-        keep = rng.random(t.shape[0]) < (1 - depth * np.cos(2 * np.pi * t / DAY_S)) / (1 + depth)
-        times = t[keep]
-        mean *= 1.05 if len(times) < n else 1.0
-    arrival = np.sort(np.asarray(times)[:n] * 1e6).astype(np.int64)
-    prompt = np.clip(rng.normal(600, 150, n), 100, 1200).astype(np.int64)
-    output = np.clip(rng.normal(3000, 800, n), 1000, 5000).astype(np.int64)
-    return make_request_set(request_id=np.arange(n), arrival_us=arrival, input_len=prompt, output_len=output)
+    cycle = hours * 3600.0
+    peak = mean_rate * (1 + depth)
+    t = np.cumsum(rng.exponential(1.0 / peak, size=int(peak * cycle * 1.2) + 100))   # thinning
+    t = t[t < cycle]
+    t = t[rng.random(t.shape[0]) < (1 - depth * np.cos(2 * np.pi * t / cycle)) / (1 + depth)]
+    n = t.shape[0]
+    prompt = np.clip(rng.normal(500, 150, n), 200, 800).astype(np.int64)
+    output = np.clip(rng.normal(4000, 500, n), 3000, 5000).astype(np.int64)
+    return make_request_set(request_id=np.arange(n), arrival_us=(t * 1e6).astype(np.int64), input_len=prompt,
+                            output_len=output)
 
 
 def scenario(requests, up: float = 0.8, down_window_us: float = 120e6):
@@ -76,7 +78,7 @@ def scenario(requests, up: float = 0.8, down_window_us: float = 120e6):
     pool = NodePool(name="h100", gpu_type="H100", gpus_per_node=8, gpu_memory_gib=80.0, initial_nodes=8,
                     max_nodes=8, cost_per_hour=4.0)
     config = ScenarioConfig(
-        deployment=Deployment(total_kv_blocks=600),
+        deployment=Deployment(total_kv_blocks=800),
         cluster=ClusterConfig(
             num_instances=STARTUP, node_pools=(pool,),
             instance_lifecycle=InstanceLifecycle(loading_delay=Delay(mean=75.0, stddev=7.5),
@@ -106,22 +108,23 @@ def timed(fn):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="4,000 requests, a 2x2 grid")
-    ap.add_argument("--requests", type=int, default=None, help="requests over the day (default 20,000)")
+    ap.add_argument("--quick", action="store_true", help="the diurnal cycle in 1 hour (~3,600 requests)")
+    ap.add_argument("--hours", type=float, default=None, help="length of the diurnal cycle (default 24)")
     ap.add_argument("--policies", type=int, default=None, help="grid size: 4 or 9 policies (default 4)")
     ap.add_argument("--skip-grid", action="store_true", help="part 1 only")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw the instance counts of part 1")
     args = ap.parse_args(argv)
-    n = args.requests or (4_000 if args.quick else 20_000)
+    hours = args.hours or (1.0 if args.quick else 24.0)
     policies = args.policies or 4
     sys.path.insert(0, str(REPO))
     import jax
 
     from blis_jax.sweep import scaling_batch
 
-    print(f"device: {jax.devices()[0].platform} x{len(jax.devices())}; {n:,} requests over 24 h; "
-          f"{SLOTS} instance slots ({STARTUP} startup)")
-    requests = diurnal_requests(n, depth=DEPTH, seed=1)
+    requests = diurnal_requests(MEAN_RATE, hours, depth=DEPTH, seed=1)
+    n = len(requests)
+    print(f"device: {jax.devices()[0].platform} x{len(jax.devices())}; {n:,} requests over a {hours:g} h "
+          f"diurnal cycle; {SLOTS} instance slots ({STARTUP} startup)", flush=True)
     base = scenario(requests)
     new = SLOTS - STARTUP
 
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
     _, second = timed(lambda: one(base))
     placed, drained, peak = scale_events(out)
     done = int(out.completed_mask().sum())
-    print("\n== one autoscaled cluster, 64 slots, a diurnal day ==")
+    print(f"\n== one autoscaled cluster, {SLOTS} slots, a {hours:g} h diurnal cycle ==")
     print(f"first pass (compile included): {first:8.1f} s")
     print(f"second pass:                   {second:8.1f} s")
     print(f"simulated requests / s:        {n / second:8.0f}   ({done:,} of {n:,} completed)")
@@ -144,7 +147,7 @@ def main(argv=None) -> int:
         from blis_jax.sweep.instance_plot import instance_counts, write_instance_counts
 
         write_instance_counts({"diurnal day, 64 slots": instance_counts(out)}, args.plot)
-        print(f"wrote {args.plot}")
+        print(f"wrote {args.plot}", flush=True)
     if args.skip_grid:
         return 0
 

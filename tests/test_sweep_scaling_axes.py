@@ -74,7 +74,8 @@ def test_apply_sets_each_number_and_validates_as_the_bundle():
 
 def test_apply_keeps_the_flag_interval_and_refuses_what_is_not_there():
     # --model-autoscaler-interval-us alone: an autoscaler with default settings, now with the axis value
-    c = scaling_axes.apply(pooled(autoscaler=None, flag=2e6), {"autoscaler.analyzer.kv_cache_threshold": 0.5}, "s").cluster
+    config = pooled(autoscaler=None, flag=2e6)
+    c = scaling_axes.apply(config, {"autoscaler.analyzer.kv_cache_threshold": 0.5}, "s").cluster
     assert c.effective_autoscaler().interval_us == 2e6 and c.effective_autoscaler().analyzer.kv_cache_threshold == 0.5
     # the interval axis replaces the flag's value
     c = scaling_axes.apply(pooled(flag=2e6), {"autoscaler.interval_us": 5e5}, "s").cluster
