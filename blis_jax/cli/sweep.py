@@ -10,7 +10,7 @@ from blis_jax.cli.app import add_memory_flag
 from blis_jax.errors import ConfigError
 from blis_jax.io_safety import short
 from blis_jax.sweep import plan as planning
-from blis_jax.sweep import plots, sharding, table
+from blis_jax.sweep import instance_plot, plots, sharding, table
 from blis_jax.sweep.grid import Grid, load_grid, plot_spec
 from blis_jax.sweep.memory import parse_bytes
 from blis_jax.sweep.progress import SweepProgress
@@ -169,6 +169,8 @@ def cmd_sweep(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     if not args.no_plots and options["part"] is None:  # a part's rows are not the whole picture
         specs = specs or plots.default_plots(result)
         written += plots.write_plots(result, specs, out_dir, title_prefix=f"{Path(args.grid).stem}: ")
+        # autoscaled scenarios: their instance counts over time (nothing written for other grids)
+        written += instance_plot.write_sweep_instance_counts(result, out_dir, title_prefix=f"{Path(args.grid).stem}: ")
     stdout.write(table.format_text(result))
     stdout.write("".join(f"wrote {p}\n" for p in written))
     stdout.flush()

@@ -36,7 +36,7 @@ from blis_jax import latency
 from blis_jax.cluster import admission as adm
 from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import deployments, lifecycle, routing, signals
-from blis_jax.cluster import drain, scaling, warm_up
+from blis_jax.cluster import drain, scaling, timeline, warm_up
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import scorers as sc
@@ -172,6 +172,8 @@ class ClusterState(eqx.Module):
     warm_up: warm_up.WarmUp | None  # warm-up recordings (None without)
     drain: drain.DrainState | None  # a drain policy's in-flight cuts and re-arrivals (None: bare drains)
     result: Int32[Array, ""]
+    # with the autoscaler: when each slot entered each lifecycle state (timeline.py; None without)
+    entered: Int64[Array, "I S"] | None = None
 
 
 # ---------------------------------------------------------------------------- what the router reads
@@ -264,6 +266,8 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
     frozen = (group_blocks_cached(instances, dims) if cd.reads_prefix_cache else jnp.zeros((i, 1, 1), bool))
     n = dims.num_requests
     policy, prefill_routing, decode_routing = routings
+    life = lifecycle_state if lifecycle_state is not None else lifecycle.all_active(
+        cparams.active, warm_up.ready_state(warm_up_requests) if cd.warm_up else lifecycle.ACTIVE)
     return ClusterState(
         instances=instances,
         next_request=jnp.asarray(0, jnp.int32),
@@ -285,12 +289,12 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         handled_by=jnp.full(n, -1, jnp.int32),
         rejected=jnp.zeros(n, bool),
         routing_rejected=jnp.zeros(n, bool),
-        lifecycle=lifecycle_state if lifecycle_state is not None else lifecycle.all_active(
-            cparams.active, warm_up.ready_state(warm_up_requests) if cd.warm_up else lifecycle.ACTIVE),
+        lifecycle=life,
         scaling=scaling_state,
         warm_up=warm_up.empty(warm_up_requests, i, n) if cd.warm_up else None,
         drain=drain.empty(i, n) if cd.scaling and cd.scaling_drain else None,
         result=jnp.asarray(0, jnp.int32),
+        entered=timeline.initial(life.state) if scaling_state is not None else None,
     )
 
 
@@ -786,6 +790,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
     def body(c, ops, on):
         params, lparams, cparams, req, out_len, model, limit = ops
         out_len = lane_output_len(cparams, req, c) if out_len is None else out_len
+        before = c.lifecycle.state
         t_cluster = _routing_or_transfer_time(c, cparams, params, req)
         # InstanceLoaded events (past the horizon: never executed)
         t_loaded = lifecycle.next_loaded(c.lifecycle)
@@ -865,6 +870,10 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
             c = _scaling_tick(c, cd, cparams, req, t_scaling_tick, go & is_scaling_tick)
             go = go & ~is_scaling_tick
             c = _scale_actuation(c, cd, cparams, req, t_act, go & (t_act <= t_cluster))
+            # the iteration's transitions happened at its cluster event (a drained instance that
+            # empties after the last one: at its own clock, which an idle one has left behind)
+            now = jnp.where(t_cluster < INF_TIME, t_cluster, jnp.maximum(c.instances.now, jnp.max(c.entered, axis=1)))
+            c = dataclasses.replace(c, entered=timeline.record(c.entered, before, c.lifecycle.state, now))
         return c
 
     return masked_while(cond, body, cs, (params, lparams, cparams, req, static_out_len, model, event_limit))

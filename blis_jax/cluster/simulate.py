@@ -282,6 +282,18 @@ def simulate_cluster_views(requests: RequestSet, params: EngineParams, model, cl
         new_slots *= 4
 
 
+def prepare_cluster(requests: RequestSet, params: EngineParams, model, cluster: ClusterConfig,
+                    new_slots: int = NEW_SLOTS, **kwargs) -> PreparedCluster:
+    """`simulate_cluster_views` taken apart (`PreparedCluster`), with `new_slots` instance slots
+    for the autoscaler's instances when it places them on node pools (`simulate_cluster_views`
+    starts at NEW_SLOTS and reruns with 4x as many while a run reports INSTANCE_SLOTS_FULL)."""
+    cluster = cluster.validate()
+    autoscaler = cluster.effective_autoscaler()
+    if autoscaler is not None and cluster.node_pools:
+        cluster = dataclasses.replace(cluster, instance_slots=cluster.num_instances + new_slots)
+    return _simulate_cluster_views(requests, params, model, cluster, autoscaler=autoscaler, prepare=True, **kwargs)
+
+
 def _simulate_cluster_views(
     requests: RequestSet,
     params: EngineParams,
@@ -301,6 +313,7 @@ def _simulate_cluster_views(
     batch_start: int | None = None,
     startup: infra.StartupInstances | None = None,
     lora=None,
+    prepare: bool = False,
 ) -> tuple[so.SimOutput, InstanceViews | None]:
     """`simulate_cluster`, plus the per-instance views when there are PD pools.
     `kv_bytes_per_token` (per GPU of the prefill pool) sizes KV transfers; a `prefill_pool` /
@@ -308,7 +321,8 @@ def _simulate_cluster_views(
     then sizes the transfers); `progress(done, total, sim_us)` is called between chunks;
     `batch_start`: running-batch slots to start with (`dims.choose_dims`; a full batch reruns
     the cluster wider, same outputs); `startup`: the startup instances placed on node pools
-    (which exist, their KV blocks, when each becomes routable), None without node pools."""
+    (which exist, their KV blocks, when each becomes routable), None without node pools;
+    `prepare`: return the run taken apart (`PreparedCluster`) instead of running it."""
     cluster = cluster.validate()
     if (prefill_pool or decode_pool) and not cluster.pd:
         raise ConfigError("--prefill-hardware/--prefill-tp/--decode-hardware/--decode-tp configure PD pools: "
@@ -345,7 +359,7 @@ def _simulate_cluster_views(
                                               cluster.kv_cache_util_threshold)
                                if cluster.flow_control is not None else (None, 1, 1))
 
-    def attempt(growth: Growth):
+    def build(growth: Growth):
         edims = choose_dims(
             input_len=requests.input_len, output_len=requests.output_len, prefix_group=requests.prefix_group,
             prefix_len=requests.prefix_len, max_num_seqs=int(params.max_num_seqs),
@@ -392,6 +406,10 @@ def _simulate_cluster_views(
                    warm_up_requests=cluster.warm_up_request_count)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
         inputs = jax.device_put((params, cparams, req, deployed.model))
+        return cd, cs, inputs, readers, edims
+
+    def attempt(growth: Growth):
+        cd, cs, inputs, readers, edims = build(growth)
         events = np.zeros(cluster.slots, np.int64)
         while True:
             # each instance's own budget: one that joins late (the autoscaler's) or idled long
@@ -403,13 +421,41 @@ def _simulate_cluster_views(
                          int(np.max(np.asarray(cs.instances.now))))
             if bool(done):
                 break
-        code = (int(np.bitwise_or.reduce(np.asarray(cs.instances.result))) | int(cs.result)
-                | scaling.result_bits(jax.device_get(cs.scaling)))
-        if cs.gateway is not None and bool(cs.gateway.full):
-            code |= results.GATEWAY_FULL
+        code = result_code(cs)
         return (cs, edims, code, readers), code
 
-    cs, edims, code, readers = run_growing(attempt)
+    def finish(cs, edims, code, readers):
+        return _finish_cluster(cs, edims, code, readers, requests=requests, params=params, cluster=cluster,
+                               startup=startup, scaling_setup=scaling_setup, prefill_role=prefill_role,
+                               decode_role=decode_role, lora=lora)
+
+    if prepare:  # the batched driver (sweep/scaling_batch.py) runs the chunks of many such runs at once
+        return PreparedCluster(build=build, finish=finish)
+    return finish(*run_growing(attempt))
+
+
+def result_code(cs: loop.ClusterState) -> int:
+    """A finished cluster run's result code (its instances', the router's, the autoscaler's)."""
+    code = (int(np.bitwise_or.reduce(np.asarray(cs.instances.result))) | int(cs.result)
+            | scaling.result_bits(jax.device_get(cs.scaling)))
+    if cs.gateway is not None and bool(cs.gateway.full):
+        code |= results.GATEWAY_FULL
+    return code
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedCluster:
+    """A cluster run taken apart for a driver of several runs: `build(growth)` → (dims, initial
+    state, (params, cluster params, requests, model), ITL log readers, engine dims), and
+    `finish(state, engine dims, result code, readers)` → (output, views), as `simulate_cluster`
+    returns them."""
+
+    build: Callable
+    finish: Callable
+
+
+def _finish_cluster(cs, edims, code, readers, *, requests, params, cluster, startup, scaling_setup, prefill_role,
+                    decode_role, lora):
     # the instances that exist (a pending startup instance is absent from every output, as in
     # BLIS); first-fit with one TP for all makes the placed ones a prefix of the indices, and
     # the autoscaler's follow them in creation order
@@ -429,7 +475,8 @@ def _simulate_cluster_views(
     names = scaling.slot_names(cs.scaling, scaling_setup.model_names[0], built)
     log = scaling.scaling_log_lines(cs.scaling, model_names=scaling_setup.model_names, slot_names=names,
                                     variants=scaling_setup.variants, node_names=scaling_setup.node_names)
-    return dataclasses.replace(out, instance_names=tuple(names), cluster_log=tuple(log)), views
+    return dataclasses.replace(out, instance_names=tuple(names), cluster_log=tuple(log),
+                               instance_entered=np.asarray(jax.device_get(cs.entered))[:built]), views
 
 
 def _place(deployed: deploy.InstanceDeployments, startup: infra.StartupInstances, cluster: ClusterConfig):

@@ -98,6 +98,8 @@ class SimOutput:
     hol_blocking_events: int = 0  # clusters: instances whose mean wait queue is > 2x the cross-instance mean
     instance_names: tuple[str, ...] | None = None  # per instance; None: instance_<k> (autoscaled clusters name theirs)
     cluster_log: tuple[tuple[int, str, str], ...] = ()  # (µs, level, message): what BLIS logs about scaling
+    # autoscaled clusters: [I, S] the µs each instance entered each lifecycle state, -1 never (cluster/timeline.py)
+    instance_entered: np.ndarray | None = None
     # LoRA (engine/lora.py): registry ids, and cold loads / evictions per instance and adapter [I, A]
     adapter_ids: tuple[str, ...] = ()
     adapter_loads: np.ndarray | None = None

@@ -33,7 +33,7 @@ from blis_jax import limits
 from blis_jax.config.bundled import bundled_dir
 from blis_jax.errors import ConfigError
 from blis_jax.io_safety import clip, read_text, short, short_path
-from blis_jax.sweep import coefficient_axes, settings
+from blis_jax.sweep import coefficient_axes, scaling_axes, settings
 from blis_jax.sweep.table import METRICS
 from blis_jax.workload.spec import load_yaml
 
@@ -89,7 +89,9 @@ class Grid:
             where = f"{self.source}: {scenario_label(i, values)}"
             checked = dict(self.base)
             for key, value in values.items():
-                if not coefficient_axes.is_coefficient_axis(key):
+                if scaling_axes.is_scaling_axis(key):
+                    checked[key] = scaling_axes.check_value(key, value, where)
+                elif not coefficient_axes.is_coefficient_axis(key):
                     checked[key] = settings.check_value(key, value, where)
             checked = coefficient_axes.apply(checked, values, where)
             out.append(ScenarioSpec(index=i, values=values, settings=checked))
@@ -182,6 +184,12 @@ def _parse_base(base: Any, source: str, root: Path | None) -> dict[str, Any]:
     for raw_key, value in base.items():
         if isinstance(raw_key, str) and coefficient_axes.is_coefficient_axis(raw_key):
             raise ConfigError(f"{where}.{raw_key}: is an axis only; in base give alpha-coeffs / beta-coeffs")
+        if scaling_axes.is_scaling_axis(raw_key):
+            key = scaling_axes.canonical(raw_key)
+            if key in out:
+                raise ConfigError(f"{where}.{raw_key}: {key} is set twice (dashes and underscores are the same key)")
+            out[key] = scaling_axes.check_value(key, value, where)
+            continue
         key = settings.canonical_key(raw_key, where)
         if key in out:
             raise ConfigError(f"{where}.{raw_key}: {key} is set twice (dashes and underscores are the same key)")
@@ -202,6 +210,8 @@ def _file_setting(key: str, value: Any, root: Path | None) -> Any:
 def _axis_key(raw_key: Any, where: str) -> str:
     if isinstance(raw_key, str) and coefficient_axes.is_coefficient_axis(raw_key.strip()):
         return raw_key.strip()
+    if scaling_axes.is_scaling_axis(raw_key):
+        return scaling_axes.canonical(raw_key)
     return settings.canonical_key(raw_key, where)
 
 
@@ -221,6 +231,10 @@ def _check_axis_values(key: str, values: Any, where: str) -> None:
 def _check_values(key: str, values, where: str) -> None:
     if coefficient_axes.is_coefficient_axis(key):
         coefficient_axes.check_axis(key, values, where.rsplit(".", 1)[0])
+        return
+    if scaling_axes.is_scaling_axis(key):
+        for value in values:
+            scaling_axes.check_value(key, value, where.rsplit(".", 1)[0])
         return
     for value in values:
         settings.check_value(key, value, where.rsplit(".", 1)[0])
@@ -334,7 +348,9 @@ def plot_spec(metric: Any, x: Any, lines: Any, axes: tuple[str, ...], where: str
             resolved.append(None)
             continue
         key = value.strip() if isinstance(value, str) else value
-        if isinstance(key, str) and not coefficient_axes.is_coefficient_axis(key):
+        if scaling_axes.is_scaling_axis(key):
+            key = scaling_axes.canonical(key)
+        elif isinstance(key, str) and not coefficient_axes.is_coefficient_axis(key):
             try:
                 key = settings.canonical_key(key, where)  # underscores and aliases, as for axes
             except ConfigError:

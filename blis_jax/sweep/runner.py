@@ -15,13 +15,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blis_jax.cluster import decompose
+from blis_jax.cluster import decompose, timeline
 from blis_jax.engine.params import INF_TIME
 from blis_jax.sweep import settings
 from blis_jax.sweep.batch import run_lanes
 from blis_jax.sweep.clusters import ClusterScenario, run_clusters
 from blis_jax.sweep.grid import Grid, ScenarioSpec
 from blis_jax.sweep.lane import InstanceLane
+from blis_jax.sweep.scaling_batch import simulate_batched
 from blis_jax.sweep.progress import SweepProgress
 from blis_jax.sweep.shared_runs import run_lanes_shared
 from blis_jax.sweep.table import SweepTable, make_row, scenario_metrics
@@ -63,7 +64,7 @@ def run_sweep(
     simulated once (`shared_runs.py`; identical rows, fewer runs)."""
     specs = select_part(grid.scenarios(), part)
     once = _OnceDiagnostics(diag)
-    lanes, clusters = [], []  # (position in specs, lane / cluster scenario)
+    lanes, clusters, scaled = [], [], []  # (position in specs, lane / cluster scenario / autoscaled scenario)
     split: dict[int, tuple] = {}  # position → (handled_by, members) of a cluster run as independent instances
     request_sets = []
     for k, spec in enumerate(specs):
@@ -81,6 +82,8 @@ def run_sweep(
                 if len(idx):
                     part = decompose.instance_requests(requests, idx)
                     lanes.append((k, InstanceLane.of(scenario, part, share=1 / n)))
+        elif scenario.cluster.validate().effective_autoscaler() is not None and scenario.lora is None:
+            scaled.append((k, scenario))  # batched: a grid of autoscaler policies is one program
         else:
             clusters.append((k, ClusterScenario(scenario)))
         request_sets.append(requests)
@@ -115,6 +118,14 @@ def run_sweep(
                             names=[specs[k].index for k in positions], shared_runs=shared_runs)
         for k, outcome in zip(positions, done):
             outcomes[k] = outcome
+    timelines = {}
+    if scaled:
+        for (k, scenario), out in zip(scaled, simulate_batched([s for _, s in scaled], max_batch=max_batch)):
+            outcomes[k] = out.result, scenario_metrics(out, request_sets[k])
+            if out.instance_entered is not None and out.result == 0:
+                timelines[specs[k].index] = timeline.counts(out.instance_entered, int(out.sim_end_us.max(initial=0)))
+            if progress is not None:
+                progress.finished(1)
     rows = tuple(make_row(spec.index, spec.values, code, metrics)
                  for spec, (code, metrics) in zip(specs, outcomes))
-    return SweepTable(axes=grid.axes, rows=rows)
+    return SweepTable(axes=grid.axes, rows=rows, timelines=timelines)

@@ -58,7 +58,11 @@ def _did_you_mean(name: str, known: Iterable[str]) -> str:
 def resolve(settings: Mapping[str, Any], diag, where: str) -> ResolvedScenario:
     """The resolved scenario of checked settings ({key: value}), as `blis-jax run` with those
     flags resolves it; closed-loop sessions are refused (sweeps run open-loop lanes)."""
+    from blis_jax.sweep import scaling_axes
+
+    settings, scaling_values = scaling_axes.split(settings)
     config = apply_settings(settings, where)
+    config = scaling_axes.apply(config, scaling_values, where, warn=diag.warn if diag is not None else None)
     # named by bare keys here: a warning then reads the same for every scenario (said once)
     with naming(field_names()):
         try:

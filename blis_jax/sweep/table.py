@@ -60,6 +60,8 @@ class SweepTable:
 
     axes: tuple[str, ...]
     rows: tuple[Mapping[str, Any], ...]
+    # autoscaled scenarios: scenario index → instance counts over time (cluster/timeline.py `counts`)
+    timelines: Mapping[int, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def metrics(self) -> tuple[str, ...]:
