@@ -7,6 +7,7 @@ completions, then Active; f = 0 changes nothing)."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -98,14 +99,20 @@ def test_promotion_and_recording_rules():
     assert wu.recorded.tolist() == [2, 1, 0] and wu.marks.tolist() == [1, 1, 0, 1, 0]
     life = lc.make([lc.WARMING_UP, lc.WARMING_UP, lc.ACTIVE])
     # completions, not drops or time-outs, end the warm-up
-    status = jnp.asarray([[so.COMPLETED, so.LENGTH_CAPPED, 0, 0, 0],
-                          [so.COMPLETED, so.TIMED_OUT, so.DROPPED, 0, 0],
-                          [0, 0, 0, 0, 0]])
-    done = warm_up.completed(status)
+    # per instance: 2 left (completed, length-capped); 3 left (completed, timed out, dropped); none
+    counters = types.SimpleNamespace(finished=jnp.asarray([2, 3, 0]), dropped=jnp.asarray([0, 1, 0]),
+                                     timed_out=jnp.asarray([0, 1, 0]))
+    done = warm_up.completed(counters)
     assert done.tolist() == [2, 1, 0]
     assert warm_up.promote(life, wu, done, jnp.asarray(True)).state.tolist() == [lc.ACTIVE, lc.WARMING_UP, lc.ACTIVE]
     assert warm_up.promote(life, wu, done, jnp.asarray(False)).state.tolist() == life.state.tolist()
     assert int(warm_up.ready_state(0)) == lc.ACTIVE and int(warm_up.ready_state(2)) == lc.WARMING_UP
+
+
+def _completed_statuses(cs) -> np.ndarray:
+    """Completed or length-capped requests per instance, read from their exit statuses."""
+    status = np.asarray(cs.instances.out_status)
+    return ((status == so.COMPLETED) | (status == so.LENGTH_CAPPED)).sum(axis=-1)
 
 
 @pytest.mark.slow   # compiles a cluster program
@@ -120,7 +127,8 @@ def test_we7_one_instance_warm_up_run():
 
     def watch(cs):
         states.append(int(np.asarray(cs.lifecycle.state)[0]))
-        completions.append(int(np.asarray(warm_up.completed(cs.instances.out_status))[0]))
+        completions.append(int(np.asarray(warm_up.completed(cs.instances))[0]))
+        assert completions[-1] == _completed_statuses(cs)[0]
 
     runs = {}
     for factor in (2.0, 0.0):
@@ -172,7 +180,8 @@ def test_warm_up_with_node_pools_loading_and_the_autoscaler():
     def check(cs):
         nonlocal previous, recorded
         state = np.asarray(cs.lifecycle.state)
-        done = np.asarray(warm_up.completed(cs.instances.out_status))
+        done = np.asarray(warm_up.completed(cs.instances))
+        assert done.tolist() == _completed_statuses(cs).tolist()   # the counters agree with the statuses
         if previous is not None:
             assert all(a == b or lc.allowed(a, b) for a, b in zip(previous, state)), (previous, state)
             assert not np.any((previous == lc.LOADING) & (state == lc.ACTIVE) & (done < w))

@@ -39,7 +39,7 @@ from blis_jax.cluster.admission import ADMISSION_POLICIES
 from blis_jax.cluster.gateway import DISPATCH_ORDERS, FAIRNESS_POLICIES, SATURATION_DETECTORS
 from blis_jax.cluster.pd import PD_DECIDERS
 from blis_jax.cluster.routing import ROUTING_POLICIES
-from blis_jax.cluster.scaling import DRAIN_POLICIES
+from blis_jax.cluster.drain import DRAIN_POLICIES
 from blis_jax.cluster.scorers import DEFAULT_PROFILE, SCORERS
 from blis_jax.config import bundled_gpu_names, bundled_model_ids
 from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS

@@ -18,6 +18,12 @@ that, so one clamp at read time equals its sequential clamps). Request conservat
 redirected request has one outcome, on the instance that finally served it (or a rejection);
 its source keeps no record of it. A discarded request is counted nowhere, unless its deadline
 comes (then timed out on the discarding instance), as in BLIS.
+
+Where this differs from BLIS (cluster totals agree; these are library-only policies):
+* a redirected request that times out is counted on the instance it was redirected to; BLIS's
+  deadline event stays armed on the source and counts it there;
+* a discarded request whose deadline never fires has no per-request record; BLIS keeps its
+  record with zero metrics.
 """
 
 from __future__ import annotations
@@ -35,9 +41,18 @@ from blis_jax.engine.params import INF_TIME
 from blis_jax.cluster import lifecycle as lc
 from blis_jax.engine.state import NOT_ARRIVED, QUEUED, ROW_FREE, EngineState, RequestArrays
 from blis_jax.engine.status import TIMED_OUT
+from blis_jax.errors import ConfigError
+from blis_jax.naming import name
 
 BARE, WAIT, IMMEDIATE, REDIRECT = range(4)
 CODES = {"bare": BARE, "wait": WAIT, "immediate": IMMEDIATE, "redirect": REDIRECT}
+DRAIN_POLICIES = tuple(CODES)
+
+
+def check_drain_policy(policy) -> None:
+    if policy not in DRAIN_POLICIES:
+        raise ConfigError(f"{name('cluster.drain_policy')} {policy!r}: use one of {', '.join(DRAIN_POLICIES)} "
+                          "(bare: BLIS's CLI scale-down)")
 
 
 class DrainState(eqx.Module):

@@ -825,7 +825,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         go = caught & ~prefill_tick & (t_cluster < INF_TIME)
         if cd.warm_up:  # the completions so far end warm-ups (before this cluster event reads states)
             c = dataclasses.replace(c, lifecycle=warm_up.promote(
-                c.lifecycle, c.warm_up, warm_up.completed(c.instances.out_status), caught))
+                c.lifecycle, c.warm_up, warm_up.completed(c.instances), caught))
         if cd.scaling:  # a drained instance whose queue and batch emptied is terminated
             c = dataclasses.replace(c, lifecycle=scaling.terminate_drained(
                 c.scaling, c.lifecycle, c.instances.wait_len, c.instances.batch_len, c.instances.events, caught))

@@ -35,8 +35,6 @@ from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import lifecycle as lc
 from blis_jax.engine import results
 from blis_jax.engine.params import INF_TIME
-from blis_jax.errors import ConfigError
-from blis_jax.naming import name
 
 # event-log kinds (what BLIS logs about scaling, blis-infra §4.9)
 LOG_ZERO_CAPACITY = 1  # warning: a routable replica with no KV capacity in the snapshot (slot)
@@ -103,15 +101,6 @@ class ScalingState(eqx.Module):
     slots_full: Bool[Array, ""]  # a scale-up found no free instance slot (results.INSTANCE_SLOTS_FULL)
     node_ready_at: Int64[Array, " Nodes"] | None = None  # provisioning: when each node is Ready (INF_TIME: none)
     provisioning_draws: Int32[Array, ""] | None = None
-
-
-DRAIN_POLICIES = ("bare", "wait", "immediate", "redirect")
-
-
-def check_drain_policy(policy) -> None:
-    if policy not in DRAIN_POLICIES:
-        raise ConfigError(f"{name('cluster.drain_policy')} {policy!r}: use one of {', '.join(DRAIN_POLICIES)} "
-                          "(bare: BLIS's CLI scale-down)")
 
 
 def init_state(num_models: int, slots: int, pending: int, log: int, slot_variant, first_tick_at=0) -> ScalingState:

@@ -147,7 +147,7 @@ class ClusterConfig:
             raise ConfigError("instance_lifecycle: expected an InstanceLifecycle")
         self.instance_lifecycle.check()
         warm_up.check(self.warm_up_request_count, self.warm_up_ttft_factor)
-        scaling.check_drain_policy(self.drain_policy)
+        drain.check_drain_policy(self.drain_policy)
         if self.drain_policy != "bare" and autoscaler is None:
             raise ConfigError(f"{name('cluster.drain_policy')} {self.drain_policy}: only the autoscaler's scale-down "
                               f"drains instances; enable it ({name('cluster.model_autoscaler_interval_us')} or the "

@@ -91,7 +91,7 @@ def _cluster_choices():
 
 def _table() -> tuple[Setting, ...]:
     from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
-    from blis_jax.cluster.scaling import DRAIN_POLICIES
+    from blis_jax.cluster.drain import DRAIN_POLICIES
 
     admission, routing, saturation, dispatch, fairness, pd = _cluster_choices()
     lengths = [_s(f"{kind}-tokens{suffix}", f"workload.{kind}.{part}", typ)

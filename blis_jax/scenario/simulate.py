@@ -89,6 +89,13 @@ class SimulationResult:
         return write_trace(prefix, self.scenario.header, self.requests, outcomes)
 
 
+def _warm_up_note(resolved) -> str:
+    """What else makes a scenario a cluster one: a warm-up runs in the cluster loop only."""
+    if resolved.cluster is None or not resolved.cluster.warm_up_request_count:
+        return ""
+    return f" (a warm-up, {name('cluster.warm_up_request_count')} > 0, runs in the cluster loop only: drop it)"
+
+
 def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress | None = None,
              events_per_chunk: int | None = None, warn: Warn | None = None) -> SimulationResult:
     """Simulate a scenario (a `ScenarioConfig` is resolved first; `warn` as in `resolve`).
@@ -113,7 +120,7 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
     if resolved.cpu_tier is not None:
         if not resolved.single_instance or resolved.sessions is not None:
             raise ConfigError(f"{name('deployment.kv_cpu_blocks')}: the CPU KV tier is simulated on one instance "
-                              "without closed-loop sessions for now; drop it or use one instance")
+                              "without closed-loop sessions for now; drop it or use one instance" + _warm_up_note(resolved))
         settings["cpu_tier"] = resolved.cpu_tier
     params, model, requests, views = resolved.params, resolved.latency_model, resolved.requests, None
     if resolved.sessions is not None:
@@ -126,7 +133,8 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
             raise ConfigError(f"{name('workload.spec')}: closed-loop sessions run on one instance with always-admit "
                               f"for now; use {name('cluster.num_instances')} 1 and {name('cluster.admission_policy')} "
                               f"always-admit, without {name('cluster.admission_latency_us')}, "
-                              f"{name('cluster.routing_latency_us')} or {name('cluster.flow_control')}")
+                              f"{name('cluster.routing_latency_us')} or {name('cluster.flow_control')}"
+                              + _warm_up_note(resolved))
         requests, out = simulate_sessions(requests, resolved.sessions, params, model, **settings)
     elif resolved.single_instance:
         out = simulate_instance(requests, params, model, **settings)
