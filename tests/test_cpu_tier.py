@@ -226,3 +226,24 @@ def test_reload_failures_counted_and_warned_on_g02():
         f"{failures} allocation(s) failed after reloading blocks from the CPU tier; BLIS keeps the reloaded prefix "
         "held by the waiting request and blis-jax does not, so figures under this KV pressure differ from BLIS's "
         "(preemptions, TTFT)"]
+
+
+@pytest.mark.slow  # compiles a LoRA engine program with a CPU tier (~25 s on 2 cores)
+def test_a_head_blocked_on_its_adapter_counts_no_cpu_miss():
+    """BLIS's LoRA gate stops admission before any allocation, so a head waiting for its adapter's
+    cold load is no CPU miss. With GPU blocks to spare no allocation fails: no miss at all."""
+    from test_lora import _lora_scenario
+
+    requests, adapters, _, params, dims = _lora_scenario()   # 400 GPU blocks for 8 short requests at most
+    tier = cpu_tier.CpuTier(blocks=64, bandwidth=2.0, base_latency_us=10)
+    dims = sim.with_cpu_tier(dims, tier)
+    params = dataclasses.replace(params, cpu=cpu_tier.make_params(tier.blocks, 16, tier.bandwidth,
+                                                                  tier.base_latency_us))
+    req = sim.request_arrays(requests, dims, adapters=adapters)
+    model = latency_model()
+    state = sim.start(dims, params, req, model)
+    state = jax.jit(sim.run_until, static_argnums=0)(dims, state, params, req, model, jnp.int64(1_000_000))
+    s = jax.device_get(state)
+    assert bool(sim.finished(state, params, req)) and int(s.result) == 0
+    assert int(s.lora_loads.sum()) >= 4 and int(s.cpu_stores) > 0   # heads waited on cold loads; blocks mirrored
+    assert int(s.cpu_misses) == 0
