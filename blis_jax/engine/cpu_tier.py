@@ -18,10 +18,12 @@ vmappable. `dims.cpu_blocks == 0` (no CPU tier) traces none of this.
 
 Known differences from BLIS (tests/blis_diff.py names the reference cases they affect; the eager
 reference tests/reference_tiered.py has the first two right):
-* one pass of `mirror` touches every entry it sees before it evicts: BLIS's sequential pass can
-  evict an old entry that the same pass touches later (it is then stored again); the vectorized
-  pass keeps it instead. Each pass's new entries are ordered as BLIS stores them. This changes
-  the store and eviction counts (KV Thrashing Rate) under CPU pressure;
+* one pass of `mirror` counts one store for each key not on CPU when the pass starts, and the
+  evictions that leave the store full: BLIS's sequential pass can evict a key before a later use
+  in the same pass (an old entry it touches late, or a block it stored early) and then stores it
+  again, counting one more store and eviction each time. The entries after each pass, and their
+  LRU order, are BLIS's; the store and eviction counts (KV Thrashing Rate) are lower under CPU
+  pressure, by those re-stores (tests/test_cpu_tier.py);
 * blocks a request allocates at token positions other than their index (after a reload re-keyed
   its own cached blocks, or past a prefix that reached beyond its chunk) get no content key, so
   they are not written to CPU; BLIS gives them hashes nothing else has and stores them;
