@@ -81,7 +81,7 @@ def test_reloads_add_hits_and_step_time():
     tiered = sim.simulate_instance(requests, dataclasses.replace(params, cpu=None), latency_model(), block_size=16,
                                    cpu_tier=cpu_tier.CpuTier(blocks=400, bandwidth=2.0, base_latency_us=10))
     assert int(tiered.kv_hits[0]) > int(out.kv_hits[0])
-    misses, stores, evictions = (int(c[0]) for c in tiered.cpu_tier_counts)
+    _, stores, evictions = (int(c[0]) for c in tiered.cpu_tier_counts)
     assert stores > 0 and evictions == 0
     # each reload makes a step 18 µs longer: some request's latency grows
     assert (tiered.e2e_us != out.e2e_us).any()
