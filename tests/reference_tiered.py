@@ -43,8 +43,10 @@ class TieredKVCache(KVCache):
         self.reload_us = reload_us
         self.cpu: OrderedDict = OrderedDict()   # key -> None, least recently used first
         self.stores = self.evictions = self.reloads = self.pending_us = 0
+        self.restores = 0   # stores of a key this pass already had on CPU: the engine counts none (cpu_tier.mirror)
 
     def mirror(self, running):
+        seen = set(self.cpu)    # on CPU at the start of the pass, or used earlier in it
         for r in running:
             for b in self.req_blocks.get(r.request_id, []):
                 h = self.hash[b]
@@ -58,6 +60,8 @@ class TieredKVCache(KVCache):
                     self.evictions += 1
                 self.cpu[h] = None
                 self.stores += 1
+                self.restores += h in seen   # evicted by this same pass before this use
+                seen.add(h)
 
     def allocate(self, req, start, end, cached=()):
         if self.req_blocks.get(req.request_id) is not None or end <= start:

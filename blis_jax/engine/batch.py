@@ -220,9 +220,9 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             # Not yet as BLIS: an admission that fails after a reload leaves nothing claimed here,
             # where BLIS keeps the claimed prefix committed to the waiting request (no rollback;
             # the G02 case): those are counted, for a warning. CPU misses: failed allocations
-            # without a reload.
+            # without a reload (a head the LoRA gate stops makes no allocation).
             state = dataclasses.replace(
-                state, cpu_misses=state.cpu_misses + (on & ~prefilled & (n > 0) & (n_reload == 0) & ~admit),
+                state, cpu_misses=state.cpu_misses + (on & lora_ok & ~prefilled & (n > 0) & (n_reload == 0) & ~admit),
                 cpu_reload_failures=state.cpu_reload_failures + ((n_reload > 0) & ~admit))
 
         free_row = jnp.argmax(state.row_state == ROW_FREE)

@@ -18,10 +18,12 @@ vmappable. `dims.cpu_blocks == 0` (no CPU tier) traces none of this.
 
 Known differences from BLIS (tests/blis_diff.py names the reference cases they affect; the eager
 reference tests/reference_tiered.py has the first two right):
-* one pass of `mirror` touches every entry it sees before it evicts: BLIS's sequential pass can
-  evict an old entry that the same pass touches later (it is then stored again); the vectorized
-  pass keeps it instead. Each pass's new entries are ordered as BLIS stores them. This changes
-  the store and eviction counts (KV Thrashing Rate) under CPU pressure;
+* one pass of `mirror` counts one store for each key not on CPU when the pass starts, and the
+  evictions that leave the store full: BLIS's sequential pass can evict a key before a later use
+  in the same pass (an old entry it touches late, or a block it stored early) and then stores it
+  again, counting one more store and eviction each time. The entries after each pass, and their
+  LRU order, are BLIS's; the store and eviction counts (KV Thrashing Rate) are lower under CPU
+  pressure, by those re-stores (tests/test_cpu_tier.py);
 * blocks a request allocates at token positions other than their index (after a reload re-keyed
   its own cached blocks, or past a prefix that reached beyond its chunk) get no content key, so
   they are not written to CPU; BLIS gives them hashes nothing else has and stores them;
@@ -106,7 +108,13 @@ def on_cpu(state, keys):
 
 
 def mirror(state, dims: EngineDims, params, active):
-    """Write every hashed block of the running batch through to CPU (batch order, block order)."""
+    """Write every hashed block of the running batch through to CPU (batch order, block order).
+
+    BLIS touches or stores the blocks one by one; an LRU store then holds the `capacity` keys
+    used last, each stamped with its last use. So here every key of the pass is stamped with
+    its last position in the pass (tick + position), and the entries kept are the `capacity`
+    most recent of the old entries and the pass's keys together: the `evict` least recent go,
+    old or new (a new entry can be evicted by later ones in the same pass)."""
     from blis_jax.engine.state import NO_KEY
 
     slots = jnp.arange(dims.batch_slots)
@@ -120,39 +128,52 @@ def mirror(state, dims: EngineDims, params, active):
     pos = jnp.arange(m, dtype=jnp.int64)
     nk = dims.cpu_keys
     safe_key = jnp.where(valid, keys, nk)
+    in_keys = jnp.minimum(safe_key, nk - 1)
     first_pos = jnp.full(nk, m, jnp.int64).at[safe_key].min(pos, mode="drop")
-    first = valid & (first_pos[jnp.minimum(safe_key, nk - 1)] == pos)
-    slot = state.cpu_key_slot[jnp.minimum(safe_key, nk - 1)]
+    last_pos = jnp.full(nk, -1, jnp.int64).at[safe_key].max(pos, mode="drop")[in_keys]
+    first = valid & (first_pos[in_keys] == pos)
+    slot = state.cpu_key_slot[in_keys]
     present = first & (slot >= 0)
     new = first & (slot < 0)
     n_new = jnp.sum(new).astype(jnp.int64)
-    stamp = state.cpu_tick + pos
+    stamp = state.cpu_tick + last_pos       # a key's last use in this pass
     c = dims.cpu_blocks
     slot_stamp = state.cpu_slot_stamp.at[jnp.where(present, slot, c)].set(stamp, mode="drop")
     evict = jnp.maximum(state.cpu_count + n_new - params.cpu.capacity, 0)
+    # The new keys by last use: at each pass position, how many new keys were last used before it.
+    last_of_new = valid & (last_pos == pos) & (slot < 0)
+    new_before = jnp.cumsum(last_of_new) - last_of_new
 
-    # Eviction of the `evict` least recently used entries: a loop of at most one iteration so
-    # that under vmap the sort runs only on lanes that evict.
+    # Eviction of the `evict` least recently used of the old entries and the new keys: a loop of
+    # at most one iteration so that under vmap the sort runs only on lanes that evict.
     def cond(carry, ops):
         return ~carry[-1] & (ops[0] > 0)
 
     def body(carry, ops, on):
-        slot_key, slot_stamp, key_slot, _ = carry
+        slot_key, slot_stamp, key_slot, dropped, _ = carry
         evict, = ops
-        order = jnp.argsort(jnp.where(slot_key >= 0, slot_stamp, BIG))
+        occupied = slot_key >= 0
+        by_stamp = jnp.where(occupied, slot_stamp, BIG)
+        order = jnp.argsort(by_stamp)
         rank = jnp.zeros(c, jnp.int64).at[order].set(jnp.arange(c, dtype=jnp.int64))
-        gone = on & (slot_key >= 0) & (rank < evict)
+        # An entry's rank among old and new together: its rank among the old ones plus the new keys
+        # used before it (none before an entry this pass did not touch: its stamp is below the tick).
+        touched = occupied & (slot_stamp >= state.cpu_tick)
+        rank = rank + jnp.where(touched, new_before[jnp.clip(slot_stamp - state.cpu_tick, 0, m - 1)], 0)
+        gone = on & occupied & (rank < evict)
+        new_rank = new_before[jnp.clip(last_pos, 0, m - 1)] + jnp.searchsorted(by_stamp[order], stamp)
         key_slot = key_slot.at[jnp.where(gone, slot_key, nk)].set(-1, mode="drop")
-        return (jnp.where(gone, -1, slot_key), jnp.where(gone, BIG, slot_stamp), key_slot, on)
+        return (jnp.where(gone, -1, slot_key), jnp.where(gone, BIG, slot_stamp), key_slot,
+                dropped | (on & new & (new_rank < evict)), on)
 
-    slot_key, slot_stamp, key_slot, _ = masked_while(
-        cond, body, (state.cpu_slot_key, slot_stamp, state.cpu_key_slot, jnp.asarray(False)), (evict,))
-    # New entries, in pass order, into the free slots below the capacity, in slot order.
+    slot_key, slot_stamp, key_slot, dropped, _ = masked_while(
+        cond, body, (state.cpu_slot_key, slot_stamp, state.cpu_key_slot, jnp.zeros(m, bool), jnp.asarray(False)),
+        (evict,))
+    # The new entries kept, in order of first use, into the free slots below the capacity, in slot order.
+    kept = new & ~dropped
     empty = (slot_key < 0) & (jnp.arange(c) < params.cpu.capacity)
     free_slots = jnp.nonzero(empty, size=c, fill_value=c)[0]
-    rank = jnp.cumsum(new) - 1
-    dest = jnp.where(new, free_slots[jnp.clip(rank, 0, c - 1)], c)
-    dest = jnp.where(rank < jnp.sum(empty), dest, c)
+    dest = jnp.where(kept, free_slots[jnp.clip(jnp.cumsum(kept) - 1, 0, c - 1)], c)
     slot_key = slot_key.at[dest].set(keys, mode="drop")
     slot_stamp = slot_stamp.at[dest].set(stamp, mode="drop")
     key_slot = key_slot.at[jnp.where(dest < c, safe_key, nk)].set(dest.astype(jnp.int32), mode="drop")
