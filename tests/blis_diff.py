@@ -132,8 +132,7 @@ def load_case(case_id: str) -> BlisDiffCase:
 # switches them on, and the open issue that builds them. Tests that iterate over reference cases
 # mark such a case `xfail(strict=True)` with this reason, so it turns red once the feature lands.
 NOT_YET_SUPPORTED = {
-    # engine/cpu_tier.py: G01 is exact request by request (tests/test_cpu_tier.py), not in its KV
-    # Cache Metrics lines; G02 needs the no-rollback quirk
+    # engine/cpu_tier.py: G01 is exact (tests/test_cpu_tier.py); G02 needs the no-rollback quirk
     "kv_cpu_blocks": lambda case: (CPU_TIER_GAPS.get(case["id"][:3], "the legacy CPU KV tier to match BLIS (issue #24)")
                                    if case["id"][:3] not in STDOUT_GAPS else None),
     "kv_offload_config": "multi-tier KV offload (issue #24)",
@@ -143,12 +142,7 @@ NOT_YET_SUPPORTED = {
 
 # Cases whose results and metrics match BLIS but whose stdout text sections do not yet: strict
 # xfails where stdout must be byte-identical (tests/test_run_blis_diff.py).
-STDOUT_GAPS = {
-    "G01": ("the legacy CPU KV tier's KV Thrashing Rate line as BLIS (issue #24): results.json and metrics.json "
-            "are byte-identical, stdout differs in that line only: 0.6071, BLIS 0.6144 (blocks at shifted token "
-            "positions get no key and are not stored; no pass of G01 stores a key twice. tests/reference_tiered.py, "
-            "which stores them, gives 0.6149: 15580 stores, 9580 evictions)"),
-}
+STDOUT_GAPS: dict[str, str] = {}
 
 # What the legacy CPU tier still lacks per reference case (issue #24).
 CPU_TIER_GAPS = {

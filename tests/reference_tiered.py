@@ -19,8 +19,10 @@ request; found by reading BLIS's outputs, blis-features §2.10 is less precise):
 * After a reload the request claims the GPU-cached prefix as it is now (looked up again), at most
   the blocks its chunk reaches; the chunk's tokens past that prefix get new blocks. When the
   prefix ends before the chunk's start (own blocks re-keyed), or reaches past the chunk's end,
-  the blocks the request then allocates sit at other token positions than their index: BLIS
-  hashes them to keys nothing else has (here: a key with offset -1 or the gap). The request's
+  the blocks the request then allocates sit at other token positions than their index (unless
+  the chunk ends on a block boundary: then they follow the prefix at their own positions, with
+  their real keys): BLIS hashes them to keys nothing else has, and stores them on CPU (here: a
+  key with offset -1 or the gap). The request's
   cached blocks that the reload re-keyed count as cache hits all the same.
 * Without a reload the allocation is the GPU's own.
 
@@ -97,7 +99,9 @@ class TieredKVCache(KVCache):
             return False
         self.hits += lost          # the request's cached blocks the reload re-keyed count as hits all the same
         blocks = self.req_blocks[req.request_id] = []
-        self.req_offset[req.request_id] = -1 if end <= s else s - len(prefix) * bs
+        # a prefix past the chunk: the next chunk's blocks follow the claimed ones, at their own
+        # token positions (real keys) if the chunk ends on a block boundary, else shifted (-1)
+        self.req_offset[req.request_id] = (0 if end % bs == 0 else -1) if end <= s else s - len(prefix) * bs
         for b in claim:
             if self.ref[b] == 0:
                 del self.free[b]

@@ -200,14 +200,16 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             end = start + n
             # The prefix reaches past the chunk: the row claims the blocks up to the chunk's end
             # and its later chunks follow them, at token positions that do not match their
-            # blocks (BLIS hashes them as garbage; here they get no content key: offset 1).
+            # blocks (BLIS hashes them as garbage; here offset 1: kv.unique_key), unless the chunk
+            # ends on a block boundary: then the positions match and the blocks get their real keys.
             over = reloaded & (end <= n_cached * bs)
             m = jnp.where(over, (end + bs - 1) // bs, n_cached)
             kv_from = jnp.maximum(start, n_cached * bs)
             cached = jnp.where(reloaded, blocks, cached)
             n_claim = jnp.where(reloaded, m, n_claim)
-            kv_start = jnp.where(over, m * bs + 1, jnp.where(reloaded, kv_from, start))
-            row_offset = jnp.where(over, 1, jnp.where(reloaded, kv_from - m * bs, row_offset))
+            aligned = over & (end % bs == 0)
+            kv_start = jnp.where(aligned, end, jnp.where(over, m * bs + 1, jnp.where(reloaded, kv_from, start)))
+            row_offset = jnp.where(aligned, 0, jnp.where(over, 1, jnp.where(reloaded, kv_from - m * bs, row_offset)))
             n_alloc = jnp.where(over, 0, jnp.where(reloaded, end - kv_from, n))
             ahead = jnp.where(over, kv_start - end, 0)
         j = jnp.arange(dims.blocks_per_request)

@@ -16,17 +16,18 @@ In the engine the store is `dims.cpu_blocks` slots (key, LRU stamp) plus a key â
 the whole key space (`dims.cpu_keys`), so membership is one gather and runs stay jitted and
 vmappable. `dims.cpu_blocks == 0` (no CPU tier) traces none of this.
 
+Blocks a request allocates at token positions other than their index (after a reload re-keyed
+its own cached blocks, or past a prefix that reached beyond its chunk) get a key nothing else has
+(kv.unique_key), as BLIS hashes them, so they are stored on CPU and counted as BLIS counts them.
+
 Known differences from BLIS (tests/blis_diff.py names the reference cases they affect; the eager
-reference tests/reference_tiered.py has the first two right):
+reference tests/reference_tiered.py has the first one right):
 * one pass of `mirror` counts one store for each key not on CPU when the pass starts, and the
   evictions that leave the store full: BLIS's sequential pass can evict a key before a later use
   in the same pass (an old entry it touches late, or a block it stored early) and then stores it
   again, counting one more store and eviction each time. The entries after each pass, and their
   LRU order, are BLIS's; the store and eviction counts (KV Thrashing Rate) are lower under CPU
   pressure, by those re-stores (tests/test_cpu_tier.py);
-* blocks a request allocates at token positions other than their index (after a reload re-keyed
-  its own cached blocks, or past a prefix that reached beyond its chunk) get no content key, so
-  they are not written to CPU; BLIS gives them hashes nothing else has and stores them;
 * an allocation that fails after a reload claims nothing, where BLIS leaves the claimed prefix
   committed to the waiting request (no rollback). The engine counts these allocations
   (`cpu_reload_failures`, SimOutput.cpu_reload_failures) and `simulate` warns when there are
@@ -82,7 +83,8 @@ def make_params(cpu_blocks: int, block_size: int, bandwidth: float, base_latency
 def engine_sizes(dims: EngineDims, cpu_blocks: int) -> dict:
     """Dims of a run with a CPU tier of `cpu_blocks` blocks. Its steps are not coasted (coast.py
     does not mirror)."""
-    keys = dims.prefix_groups * dims.prefix_blocks + dims.num_requests * dims.blocks_per_request
+    # content keys, then the unique keys of blocks at shifted positions (kv.unique_key)
+    keys = dims.prefix_groups * dims.prefix_blocks + 2 * dims.num_requests * dims.blocks_per_request
     return dict(cpu_blocks=bucket(cpu_blocks, 16), cpu_keys=keys, coast_steps=1)
 
 

@@ -17,7 +17,8 @@ Behaviour follows BLIS's single-tier cache (blis-features §2.9):
 * Allocation is check-then-act: callers verify `blocks_needed <= free_count` first.
 * BLIS quirk kept for parity: a prompt that is fully cached is admitted with zero new tokens
   and then claims nothing (no hits, no references); its later decode blocks start at token
-  `row_offset` = prompt length and can never be hit, so they get no content key.
+  `row_offset` = prompt length and can never be hit, so they get no content key (with a CPU
+  tier a unique one, `unique_key`, so that they are stored on CPU as BLIS stores them).
 """
 
 from __future__ import annotations
@@ -180,11 +181,21 @@ SMALL_ALLOCATION = 128
 SPLIT_ALLOCATION_FROM = 1024  # alloc_blocks from which steps take the small program when they can
 
 
-def register_full_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r, blocks, block_index, full):
-    """Give content keys to blocks that just became full (vectors of equal length)."""
-    keys = content_key(dims, req, r, block_index)
+def unique_key(dims: EngineDims, r, j):
+    """Key of block j of request r when the block holds tokens at another position than its index
+    (a row with an offset): BLIS hashes such blocks to keys nothing else has. A key range after
+    the content keys, so never a GPU prefix-cache hit; used only with a CPU tier, which stores them."""
+    return (dims.prefix_groups * dims.prefix_blocks + (dims.num_requests + jnp.asarray(r).astype(jnp.int64))
+            * dims.blocks_per_request + jnp.asarray(j, jnp.int64))
+
+
+def register_full_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r, blocks, block_index, full,
+                         unique=False):
+    """Give content keys to blocks that just became full (vectors of equal length); `unique`
+    ones get `unique_key`."""
+    keys = jnp.where(unique, unique_key(dims, r, block_index), content_key(dims, req, r, block_index))
     target = jnp.where(full, blocks, dims.kv_blocks)
-    shared = full & (block_index < req.shared_blocks[r])
+    shared = full & ~unique & (block_index < req.shared_blocks[r])
     group = req.prefix_group[r]
     group_block = state.group_block.at[
         jnp.where(shared, group, dims.prefix_groups), jnp.where(shared, block_index, 0)
@@ -280,14 +291,16 @@ def _allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, row
         ),
     )
     # Keys for the new blocks that are full, and for each row's previously partial last block.
-    keyed = offset == 0
+    # A row with an offset: no content key, or with a CPU tier (which stores them, as BLIS) a unique one.
+    unique = (offset != 0) & bool(dims.cpu_blocks)
+    keyed = (offset == 0) | unique
     full_new = live & keyed[owner] & ((block_index + 1) * bs <= new_kv[owner])
-    state = register_full_blocks(state, dims, req, r[owner], ids, block_index, full_new)
+    state = register_full_blocks(state, dims, req, r[owner], ids, block_index, full_new, unique[owner])
     was_partial = active & keyed & (nblocks > 0) & (nblocks * bs > kv)
     now_full = was_partial & (nblocks * bs <= new_kv)
     # Read from the updated table (same values): a read of the old one after the update makes
     # XLA copy the whole table to keep it alive.
-    return register_full_blocks(state, dims, req, r, row_blocks[safe_rows, last], last, now_full)
+    return register_full_blocks(state, dims, req, r, row_blocks[safe_rows, last], last, now_full, unique)
 
 
 def cached_prefix(state: EngineState, dims: EngineDims, req: RequestArrays, r):
