@@ -127,9 +127,14 @@ def test_reloads_as_the_oracle():
     preemptions: re-keyed own blocks, reloads stopped by a GPU block, prefixes past the chunk.
     The CPU store never evicts here (test_cpu_lru_as_the_oracle has it evict)."""
     requests, params, _ = _scenario(groups_n=10)
-    out, res, kv, _ = _engine_and_oracle(requests, params, 400)
+    out, res, kv, store = _engine_and_oracle(requests, params, 400)
     assert kv.reloads > 20 and res.counters["preemption_count"] > 0 and kv.evictions == 0
     _assert_same_run(requests, out, res, kv)
+    # every hashed block stored, those at shifted token positions too (BLIS hashes them)
+    shifted = [k for k in _ref_store(kv) if k[2] == "shifted"]
+    assert len(shifted) > 0 and store == _ref_store(kv)
+    _, stores, evictions = (int(c[0]) for c in out.cpu_tier_counts)
+    assert (stores, evictions) == (kv.stores, 0)
 
 
 def _engine_and_oracle(requests, params, cpu_blocks: int):
@@ -164,10 +169,18 @@ def _cpu_store(requests, dims, s):
         if k < shared:
             return ("g", names[k // dims.prefix_blocks], k % dims.prefix_blocks)
         r, j = divmod(k - shared, dims.blocks_per_request)
+        if r >= dims.num_requests:   # kv.unique_key: a block at a shifted token position
+            return ("r", int(requests.request_id[r - dims.num_requests]), "shifted", j)
         return ("r", int(requests.request_id[r]), 0, j)
 
     held = np.nonzero(s.cpu_slot_key >= 0)[0]
     return [ref_key(int(k)) for k in s.cpu_slot_key[held[np.argsort(s.cpu_slot_stamp[held])]]]
+
+
+def _ref_store(kv):
+    """The reference's CPU store, least recently used first, its keys of blocks at shifted token
+    positions (offset -1 or a gap, see reference_tiered.py) as the engine's (one per request and index)."""
+    return [k[:2] + ("shifted",) + k[3:] if k[0] == "r" and k[2] != 0 else k for k in kv.cpu]
 
 
 def _assert_same_run(requests, out, res, kv):
@@ -192,7 +205,7 @@ def test_cpu_lru_as_the_oracle(seed, cpu_blocks):
     out, res, kv, store = _engine_and_oracle(requests, params, cpu_blocks)
     assert kv.evictions > 100 and kv.restores > 0 and res.counters["preemption_count"] > 0
     _assert_same_run(requests, out, res, kv)
-    assert store == list(kv.cpu)
+    assert store == _ref_store(kv)
     _, stores, evictions = (int(c[0]) for c in out.cpu_tier_counts)
     assert (stores, evictions) == (kv.stores - kv.restores, kv.evictions - kv.restores)
 
