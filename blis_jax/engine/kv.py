@@ -190,12 +190,15 @@ def unique_key(dims: EngineDims, r, j):
 
 
 def register_full_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r, blocks, block_index, full,
-                         unique=False):
+                         unique=None):
     """Give content keys to blocks that just became full (vectors of equal length); `unique`
     ones get `unique_key`."""
-    keys = jnp.where(unique, unique_key(dims, r, block_index), content_key(dims, req, r, block_index))
+    keys = content_key(dims, req, r, block_index)
+    shared = full & (block_index < req.shared_blocks[r])
+    if unique is not None:   # a CPU tier (else nothing of this is traced)
+        keys = jnp.where(unique, unique_key(dims, r, block_index), keys)
+        shared = shared & ~unique
     target = jnp.where(full, blocks, dims.kv_blocks)
-    shared = full & ~unique & (block_index < req.shared_blocks[r])
     group = req.prefix_group[r]
     group_block = state.group_block.at[
         jnp.where(shared, group, dims.prefix_groups), jnp.where(shared, block_index, 0)
@@ -292,10 +295,11 @@ def _allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, row
     )
     # Keys for the new blocks that are full, and for each row's previously partial last block.
     # A row with an offset: no content key, or with a CPU tier (which stores them, as BLIS) a unique one.
-    unique = (offset != 0) & bool(dims.cpu_blocks)
-    keyed = (offset == 0) | unique
+    unique = (offset != 0) if dims.cpu_blocks else None
+    keyed = (offset == 0) if unique is None else (offset == 0) | unique
     full_new = live & keyed[owner] & ((block_index + 1) * bs <= new_kv[owner])
-    state = register_full_blocks(state, dims, req, r[owner], ids, block_index, full_new, unique[owner])
+    state = register_full_blocks(state, dims, req, r[owner], ids, block_index, full_new,
+                                 None if unique is None else unique[owner])
     was_partial = active & keyed & (nblocks > 0) & (nblocks * bs > kv)
     now_full = was_partial & (nblocks * bs <= new_kv)
     # Read from the updated table (same values): a read of the old one after the update makes
