@@ -456,6 +456,14 @@ class ReferenceEngine:
             st["admitted"].append(r.request_id)
         return st
 
+    # -- hooks for engines built on this one (tests/reference_tiered.py)
+    def _extra_step_us(self) -> int:
+        """Time added to the step being executed (beyond the latency model's)."""
+        return 0
+
+    def _after_execution(self) -> None:
+        """Runs between a step's execution and its completions."""
+
     # -- one engine step (§2.4)
     def _step(self, now: int):
         if not self.running and not self.wait:
@@ -466,7 +474,7 @@ class ReferenceEngine:
         st = self._form_batch(now)
         sched = [r for r in self.running if r.num_new > 0]
         feats = [(r.pi < r.input_len, r.num_new, r.pi, r.input_len) for r in sched]
-        dt = max(1, int(self.lat.step_time(feats)))
+        dt = max(1, int(self.lat.step_time(feats))) + self._extra_step_us()
         if self.record_steps:
             log = [(r.request_id, r.num_new, r.pi) for r in self.running]
         a2 = self.lat.output_token_time
@@ -478,6 +486,7 @@ class ReferenceEngine:
                 r.itl.append(dt + a2)
             if r.pi == r.input_len and r.ttft is None:
                 r.ttft = now + dt + a2 - r.arrival
+        self._after_execution()
         # completions
         mml = self.cfg.max_model_len
         done = []

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-from reference_engine import COMPLETED, EV_LEFT, LENGTH_CAPPED, KVCache, ReferenceEngine, StepRecord
+from reference_engine import KVCache, ReferenceEngine
 
 
 class TieredKVCache(KVCache):
@@ -116,56 +116,14 @@ class TieredEngine(ReferenceEngine):
         super().__init__(requests, cfg, lat, record_steps)
         self.kv = TieredKVCache(cfg.total_kv_blocks, cfg.block_size, cpu_blocks, reload_us)
 
-    def _step(self, now: int):
-        """ReferenceEngine._step with the reload time added to the step and the CPU write-through
-        between execution and completions (blis-features §2.4)."""
-        if not self.running and not self.wait:
-            self.step_pending = False
-            return
-        self.c["step_count"] += 1
-        self._order_waitq()
-        st = self._form_batch(now)
-        sched = [r for r in self.running if r.num_new > 0]
-        feats = [(r.pi < r.input_len, r.num_new, r.pi, r.input_len) for r in sched]
-        dt = max(1, int(self.lat.step_time(feats))) + self.kv.pending_us
-        self.kv.pending_us = 0
-        log = [(r.request_id, r.num_new, r.pi) for r in self.running]
-        a2 = self.lat.output_token_time
-        for r in self.running:
-            if r.pi < r.input_len:
-                r.pi = r.computed
-            elif r.num_new > 0:
-                r.pi += 1
-                r.itl.append(dt + a2)
-            if r.pi == r.input_len and r.ttft is None:
-                r.ttft = now + dt + a2 - r.arrival
+    # the reload time is added to the step; the CPU write-through runs between execution and
+    # completions (blis-features §2.4)
+    def _extra_step_us(self) -> int:
+        pending, self.kv.pending_us = self.kv.pending_us, 0
+        return pending
+
+    def _after_execution(self) -> None:
         self.kv.mirror(self.running)
-        done, keep = [], []
-        for r in self.running:
-            if r.pi >= r.input_len + max(r.output_len, 1) - 1:
-                if r.output_len > 0 and r.pi < r.input_len + r.output_len:
-                    self.kv.allocate(r, r.pi, r.pi + 1)
-                self.kv.release(r)
-                r.state = COMPLETED
-                self._complete(r)
-                self._push(now + dt, EV_LEFT, "left", r)
-                done.append(r.request_id)
-            elif self.cfg.max_model_len > 0 and r.pi >= self.cfg.max_model_len - 1:
-                self.kv.release(r)
-                r.state = LENGTH_CAPPED
-                self.c["length_capped"] += 1
-                self._complete(r, capped=True)
-                self._push(now + dt, EV_LEFT, "left", r)
-                done.append(r.request_id)
-            else:
-                keep.append(r)
-        self.running = keep
-        if self.record_steps:
-            self.steps.append(StepRecord(now, dt, log, st["admitted"], st["preempted"], done))
-        if self.running or self.wait:
-            self._schedule_step(now + dt)
-        else:
-            self.step_pending = False
 
 
 def reload_time_us(block_size: int, bandwidth: float, base_latency: int) -> int:
