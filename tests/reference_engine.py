@@ -126,6 +126,15 @@ class KVCache:
         self.hash[b] = h
         self.by_hash[h] = b
 
+    def _claim(self, blocks: list, claim) -> None:
+        """Take the cached blocks `claim` for a request (each a hit), appending them to `blocks`."""
+        for b in claim:
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+            self.hits += 1
+            blocks.append(b)
+
     def allocate(self, req, start: int, end: int, cached: Sequence[int] = ()) -> bool:
         """Check-then-act allocation of token slots [start, end) (plus claim of ``cached``)."""
         bs = self.bs
@@ -156,12 +165,7 @@ class KVCache:
         if blocks is None:
             blocks = self.req_blocks[req.request_id] = []
             self.req_offset[req.request_id] = start - len(claim) * bs
-        for b in claim:
-            if self.ref[b] == 0:
-                del self.free[b]
-            self.ref[b] += 1
-            self.hits += 1
-            blocks.append(b)
+        self._claim(blocks, claim)
         rem = ntok
         if blocks and spare > 0 and rem > 0:
             last = blocks[-1]

@@ -102,12 +102,7 @@ class TieredKVCache(KVCache):
         # a prefix past the chunk: the next chunk's blocks follow the claimed ones, at their own
         # token positions (real keys) if the chunk ends on a block boundary, else shifted (-1)
         self.req_offset[req.request_id] = (0 if end % bs == 0 else -1) if end <= s else s - len(prefix) * bs
-        for b in claim:
-            if self.ref[b] == 0:
-                del self.free[b]
-            self.ref[b] += 1
-            self.hits += 1
-            blocks.append(b)
+        self._claim(blocks, claim)
         return True if end <= s else super().allocate(req, s, end, ())
 
 
