@@ -162,14 +162,20 @@ def release_row(state: EngineState, dims: EngineDims, row, active=True) -> Engin
     # rank in reverse block order among freed blocks
     rank = jnp.cumsum(freed[::-1])[::-1] - 1
     pos = state.ring_tail + rank
-    freed_target = jnp.where(freed, blocks, dims.kv_blocks)
+    return _write_free(state, dims, blocks, freed, pos, n_freed)
+
+
+def _write_free(state: EngineState, dims: EngineDims, blocks, mask, pos, n, **more) -> EngineState:
+    """Put the `mask`ed `blocks` on the free ring at positions `pos` (the caller made room for
+    its `n` of them) and mark them free; `more`: other fields to replace as well."""
     return dataclasses.replace(
         state,
-        ring=state.ring.at[jnp.where(freed, pos % dims.free_ring, dims.free_ring)].set(blocks, mode="drop"),
-        ring_pos=state.ring_pos.at[freed_target].set(pos, mode="drop"),
-        block_free=state.block_free.at[freed_target].set(True, mode="drop"),
-        ring_tail=state.ring_tail + n_freed,
-        free_count=state.free_count + n_freed,
+        ring=state.ring.at[jnp.where(mask, pos % dims.free_ring, dims.free_ring)].set(blocks, mode="drop"),
+        ring_pos=state.ring_pos.at[jnp.where(mask, blocks, dims.kv_blocks)].set(pos, mode="drop"),
+        block_free=state.block_free.at[jnp.where(mask, blocks, dims.kv_blocks)].set(True, mode="drop"),
+        ring_tail=state.ring_tail + n,
+        free_count=state.free_count + n,
+        **more,
     )
 
 
@@ -351,16 +357,8 @@ def push_free(state: EngineState, dims: EngineDims, ids, live) -> EngineState:
     n = jnp.sum(live).astype(jnp.int64)
     state = _ensure_ring_room(state, dims, n)
     pos = state.ring_tail + jnp.cumsum(live) - 1
-    target = jnp.where(live, ids, dims.kv_blocks)
-    return dataclasses.replace(
-        state,
-        ring=state.ring.at[jnp.where(live, pos % dims.free_ring, dims.free_ring)].set(ids, mode="drop"),
-        ring_pos=state.ring_pos.at[target].set(pos, mode="drop"),
-        block_free=state.block_free.at[target].set(True, mode="drop"),
-        block_ref=state.block_ref.at[target].set(0, mode="drop"),
-        ring_tail=state.ring_tail + n,
-        free_count=state.free_count + n,
-    )
+    block_ref = state.block_ref.at[jnp.where(live, ids, dims.kv_blocks)].set(0, mode="drop")
+    return _write_free(state, dims, ids, live, pos, n, block_ref=block_ref)
 
 
 def claim_cached(state: EngineState, dims: EngineDims, row, blocks, n_hit, active) -> EngineState:
