@@ -169,16 +169,18 @@ def _stack(trees):
 def _launch(lanes, chunk: list[int], plan: _Plan, mesh):
     """Dispatch one chunk, padded to `plan.chunk` lanes so that every chunk of a plan has one
     shape: vmapped, with copies of its last lane (a vmapped loop runs until its slowest lane
-    anyway); mapped, with idle lanes (no requests: done at once). Lanes are dealt to the
-    devices in snake order, so that each device gets a similar share of a sorted chunk. Returns
-    (chunk, the lane of each position or None for an idle one, device state)."""
+    anyway); mapped, with idle lanes (no requests: done at once). Returns (chunk, the lane of
+    each position or None for an idle one, device state)."""
     ndev = mesh.size
     pad = plan.chunk - len(chunk)
-    padded = chunk + ([chunk[-1]] * pad if plan.mode == "vmap" else [None] * pad)
-    # position k·ndev + d of the sorted chunk goes to device d, or to device ndev-1-d in odd
-    # rounds (a snake: no device gets the longer lane of every round)
-    order = [padded[k * ndev + (d if k % 2 == 0 else ndev - 1 - d)] for d in range(ndev)
-             for k in range(plan.chunk // ndev)]
+    if plan.mode == "vmap":
+        padded = chunk + [chunk[-1]] * pad
+        # position k·ndev + d of the sorted chunk goes to device d, or to device ndev-1-d in odd
+        # rounds (a snake: no device gets the longer lane of every round)
+        order = [padded[k * ndev + (d if k % 2 == 0 else ndev - 1 - d)] for d in range(ndev)
+                 for k in range(plan.chunk // ndev)]
+    else:
+        order = _deal_longest_first(lanes, chunk, ndev, plan.chunk // ndev)
     kind = type(lanes[chunk[0]])
     built = {i: lanes[i].inputs(plan.dims) for i in chunk}
     idle = kind.idle(built[chunk[-1]]) if None in order else None
@@ -187,6 +189,21 @@ def _launch(lanes, chunk: list[int], plan: _Plan, mesh):
     name = f"{kind.run.__module__}.{kind.run.__qualname__} {plan.dims!r} {mode}"
     state = executables.call(_program(kind.run, plan.dims, mesh, mode), name, sharding.put(inputs, mesh))
     return chunk, order, state
+
+
+def _deal_longest_first(lanes, chunk: list[int], ndev: int, per_device: int) -> list[int | None]:
+    """Positions of a mapped chunk (device d runs positions d·per_device onwards, one lane after
+    another, independently of the other devices): each lane, longest first by `work()`, goes
+    to the device with the least work so far that has a free position; the rest are idle. A
+    snake deal of the sorted chunk can leave one long lane on top of an even share (the golden
+    set: docs/ACCURACY.md)."""
+    load = [0.0] * ndev
+    dealt: list[list[int | None]] = [[] for _ in range(ndev)]
+    for i in sorted(chunk, key=lambda i: lanes[i].work(), reverse=True):
+        d = min((d for d in range(ndev) if len(dealt[d]) < per_device), key=lambda d: load[d])
+        dealt[d].append(i)
+        load[d] += lanes[i].work()
+    return [pos for device in dealt for pos in device + [None] * (per_device - len(device))]
 
 
 def _collect(lanes, chunk: list[int], order: list[int], state, plan: _Plan, results: list,

@@ -116,16 +116,18 @@ class InstanceLane:
         return simulate.to_output(state, dims, self.params, self.requests, code)
 
     def work(self) -> float:
-        """Rough loop iterations (engine steps), to put lanes of similar length in one chunk:
-        a vmapped loop runs until its slowest lane is done. Steps are bounded below by the
-        arrival span (at ~10 ms a step) and by the decode work at a full batch."""
+        """Rough loop iterations, to put lanes of similar length in one chunk (a vmapped loop
+        runs until its slowest lane is done) and to share a mapped chunk's lanes evenly among
+        the devices: an iteration per request event, plus the engine steps folded into coasting
+        runs of `coast_steps`. Steps are bounded below by the arrival span (at ~10 ms a step) and
+        by the decode work at a full batch."""
         r = self.requests
         known = r.arrival_us[r.arrival_us < FOLLOW_UP_ARRIVAL]  # closed-loop rounds arrive in the run
         if len(known) == 0:
             return 0.0
         span_steps = (int(known[-1]) - int(known[0])) / 10_000
         decode_steps = float(r.output_len.sum()) / max(int(self.params.max_num_seqs), 1)
-        return max(span_steps, decode_steps) + len(r)
+        return max(span_steps, decode_steps) / EngineDims.coast_steps + len(r)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -137,9 +139,10 @@ class SessionLane(InstanceLane):
     links: SessionLinks | None = None  # None: no sessions (then this is a plain lane)
     # golden experiments are few and busy: one program at max-num-seqs beats regrowing
     batch_start: int | None = None
-    # ...and run one per device and chunk on CPU: 8 took the same time on the golden benchmark
-    # and raised its peak RSS from 1.3 to 1.9 GiB (their states are large)
-    cpu_lanes_per_device = 1
+    # ...and run four per device and chunk on CPU, dealt longest first: at one per device the
+    # devices wait for each other after every chunk; more per device costs memory (their states
+    # are large) for no gain (docs/ACCURACY.md)
+    cpu_lanes_per_device = 4
 
     def _links(self) -> SessionLinks:
         return self.links if self.links is not None else SessionLinks.none(len(self.requests))
