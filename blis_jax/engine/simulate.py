@@ -49,16 +49,19 @@ def wait_ranks(requests: RequestSet, scheduler: str) -> np.ndarray:
 
 
 def request_arrays(requests: RequestSet, dims: EngineDims, sessions: SessionLinks | None = None,
-                   adapters: np.ndarray | None = None) -> RequestArrays:
+                   adapters: np.ndarray | None = None, *, on_device: bool = True) -> RequestArrays:
     """Pad the request set to `dims.num_requests` and move it to device arrays (`adapters`:
-    each request's LoRA registry index, -1 none; lora.LoraConfig.adapter_index)."""
+    each request's LoRA registry index, -1 none; lora.LoraConfig.adapter_index). `on_device=False`
+    keeps NumPy arrays, for a caller that stacks lanes on the host: reading a fresh device
+    array back waits for whatever program that device is running."""
     n, cap = len(requests), dims.num_requests
     links = sessions if sessions is not None else SessionLinks.none(n)
+    to_array = jnp.asarray if on_device else np.asarray
 
     def pad(values, fill, dtype):
         out = np.full(cap, fill, dtype)
         out[:n] = values
-        return jnp.asarray(out)
+        return to_array(out)
 
     grouped = requests.prefix_group >= 0
     shared = np.where(grouped, requests.prefix_len // dims.block_size, 0)
@@ -77,7 +80,7 @@ def request_arrays(requests: RequestSet, dims: EngineDims, sessions: SessionLink
         follow_timeout=pad(links.timeout_us, 0, np.int64),
         session_slot=pad(links.session_slot, -1, np.int32),
         adapter=pad(np.full(n, -1, np.int32) if adapters is None else adapters, -1, np.int32),
-        follow_budget=jnp.asarray(links.follow_budget, jnp.int64),
+        follow_budget=to_array(np.asarray(links.follow_budget, np.int64)),
         valid=pad(np.ones(n, bool), False, bool),
     )
 

@@ -91,7 +91,7 @@ class InstanceLane:
         return cover(list(dims))
 
     def inputs(self, dims: EngineDims):
-        return (self.params, simulate.request_arrays(self.requests, dims), self.model)
+        return (self.params, simulate.request_arrays(self.requests, dims, on_device=False), self.model)
 
     @staticmethod
     def idle(inputs):
@@ -152,7 +152,7 @@ class SessionLane(InstanceLane):
         return self._links().num_sessions
 
     def inputs(self, dims: EngineDims):
-        return (self.params, simulate.request_arrays(self.requests, dims, self._links()), self.model)
+        return (self.params, simulate.request_arrays(self.requests, dims, self._links(), on_device=False), self.model)
 
     def output(self, state, dims: EngineDims, code: int):
         out = super().output(state, dims, code)
