@@ -577,6 +577,8 @@ class ScalingSetup:
         p = self.provisioning
         rng = GoRand(subsystem_seed(self.seed, NODE_PROVISIONING))
         return dict(node_initial=jnp.asarray(p["initial"]), node_type=jnp.asarray(p["type"], jnp.int32),
+                    startup_tp=jnp.asarray(p["startup_tp"], jnp.int32),
+                    type_variant=jnp.asarray(p["type_variant"], jnp.int32),
                     node_delay_mean_s=jnp.asarray(p["mean"], jnp.float64),
                     node_delay_std_s=jnp.asarray(p["std"], jnp.float64),
                     provisioning_normals=jnp.asarray([rng.norm_float64() for _ in range(draws)], jnp.float64))
@@ -585,8 +587,12 @@ class ScalingSetup:
         ss = scaling.init_state(cd.scaling_models, cd.num_instances, cd.scaling_pending, cd.scaling_log,
                                 self.slot_variant)
         if self.provisioning is not None:
-            ss = dataclasses.replace(ss, node_ready_at=jnp.asarray(np.where(self.provisioning["initial"], 0, INF_TIME),
-                                                                   jnp.int64), provisioning_draws=jnp.int32(0))
+            p = self.provisioning
+            retry = np.full(cd.num_instances, -1, np.int32)   # BLIS's pending list: index order at construction
+            retry[:len(p["pending"])] = p["pending"]
+            ss = dataclasses.replace(ss, node_ready_at=jnp.asarray(np.where(p["initial"], 0, INF_TIME), jnp.int64),
+                                     provisioning_draws=jnp.int32(0), node_ready=jnp.asarray(p["initial"]),
+                                     retry_index=jnp.asarray(retry), retry_len=jnp.int32(len(p["pending"])))
         return dataclasses.replace(ss, next_slot=jnp.asarray(self.first_new_slot, jnp.int32))
 
 
@@ -622,6 +628,8 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
         raise ConfigError("the autoscaler on node pools of different GPU memory is not simulated yet (its new "
                           "instances' KV capacity depends on where they land); give the pools the same "
                           "gpu_memory_gib, or set --total-kv-blocks")
+    if provisioning is not None:   # a pending startup instance may land on any type (§3.5)
+        provisioning["type_variant"] = _startup_variants(cluster, startup, types, variants, blocks_of)
     new_blocks, new_mml = next(iter(blocks_of.values()))
     first_new = startup.num_placed
     blocks = np.asarray(deployed.total_kv_blocks).copy()
@@ -643,6 +651,31 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
         construction_draws=construction, drain_policy=cluster.drain_policy, provisioning=provisioning)
 
 
+def _startup_variants(cluster: ClusterConfig, startup: infra.StartupInstances, types: list, variants: list,
+                      blocks_of: dict) -> np.ndarray:
+    """Per GPU type, the variant (type, startup TP, cost of the first pool of that type) of a
+    pending startup instance placed on it at a NodeReady retry, added to `variants` when no
+    placed instance has it (a variant without replicas changes no autoscaler figure). Its KV
+    capacity is the new slots' (one for all): pools whose GPU memory differs are refused."""
+    tp = next(p.tp for p in startup.placements if p is not None)
+    first = {}
+    for pool in cluster.node_pools:
+        first.setdefault(pool.gpu_type, pool)
+    out = np.zeros(len(types), np.int32)
+    for t, gpu_type in enumerate(types):
+        key = (gpu_type, tp, float(first[gpu_type].cost_per_hour))
+        if key not in variants and startup.num_placed < len(startup.placements):
+            variants.append(key)
+        out[t] = variants.index(key) if key in variants else 0
+    if startup.num_placed < len(startup.placements):
+        memory = {float(p.gpu_memory_gib) for p in cluster.node_pools}
+        if len(memory) > 1:
+            raise ConfigError(f"{name('cluster.provision_nodes')}: pending startup instances placed on a provisioned "
+                              "node of pools with different gpu_memory_gib are not simulated yet (their KV capacity "
+                              "depends on where they land); give the pools the same gpu_memory_gib")
+    return out
+
+
 def _provisioning(cluster: ClusterConfig, gpus, nodes: list, types: list, startup: infra.StartupInstances) -> dict:
     """Per node of the provisionable inventory (padded to the GPU count): whether it exists at
     t = 0, its GPU type and its pool's provisioning delay; and the startup GPU owners moved onto
@@ -660,7 +693,9 @@ def _provisioning(cluster: ClusterConfig, gpus, nodes: list, types: list, startu
     owner = np.full(g, -1, np.int32)
     for gpu, held_by in zip(infra.inventory(cluster.node_pools), startup.gpu_owner):
         owner[where[gpu.id]] = held_by
-    return dict(initial=initial, type=kind, mean=mean, std=std, owner=owner)
+    pending = [k for k, p in enumerate(startup.placements) if p is None]
+    tp = max((p.tp for p in startup.placements if p is not None), default=1)
+    return dict(initial=initial, type=kind, mean=mean, std=std, owner=owner, pending=pending, startup_tp=tp)
 
 
 def model_ids(requests: RequestSet, cluster: ClusterConfig, padded_to: int) -> dict:
