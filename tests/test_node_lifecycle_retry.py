@@ -171,3 +171,54 @@ def test_without_provisioning_nothing_is_traced():
 
     ss = scaling.init_state(1, 4, 2, 8, np.zeros(4, np.int32))
     assert ss.node_ready is None and ss.retry_index is None and ss.retry_len is None
+
+
+# -------------------------------------------------------------------------------- node drain
+
+
+def test_node_drains_validation():
+    from blis_jax.errors import ConfigError
+
+    ok = dict(node_pools=(POOL,), model_autoscaler_interval_us=1_000_000, provision_nodes=True)
+    ClusterConfig(**ok, node_drains=(("p-2", 0),)).validate()   # a provisionable node
+    with pytest.raises(ConfigError, match="cluster.node_drains.*provision_nodes"):
+        ClusterConfig(node_pools=(POOL,), node_drains=(("p-0", 0),)).validate()
+    with pytest.raises(ConfigError, match="unknown node 'p-3'"):
+        ClusterConfig(**ok, node_drains=(("p-3", 0),)).validate()
+    with pytest.raises(ConfigError, match="drained twice"):
+        ClusterConfig(**ok, node_drains=(("p-0", 0), ("p-0", 5))).validate()
+    for bad in (("p-0",), ("p-0", -1), ("p-0", 1.5), ["p-0", 0]):
+        with pytest.raises(ConfigError, match="node ID, time in µs"):
+            ClusterConfig(**ok, node_drains=(bad,)).validate()
+
+
+DRAIN_LOG = re.compile(r"\[node\] (?:draining node (\S+):|node (\S+) drained:|drain of node (\S+) ignored)")
+
+
+@pytest.mark.slow   # compiles a cluster program
+def test_node_drain_ready_to_draining_to_terminated():
+    from blis_jax.scenario import simulate
+
+    pool = dataclasses.replace(POOL, initial_nodes=2, max_nodes=4)
+    # p-0 holds instance_0 (never released), p-1 is empty, p-3 is never provisioned, p-2 gets
+    # the autoscaler's replica at 7 s (p-0 Draining and p-1 Terminated leave no room before)
+    drains = (("p-0", 1_000_000), ("p-1", 1_000_000), ("p-3", 1_000_000), ("p-2", 8_000_000))
+    held = []
+    with after_each_chunk(lambda cs: held.append(tuple(int(x) for x in lc.gpus_in_use(cs.lifecycle)))):
+        out = simulate(_scenario(num_instances=1, node_pools=(pool,), node_drains=drains)).output
+    assert held and all(a == b for a, b in held)   # INV-A
+    log = [(t, x) for t, _, x in out.cluster_log]
+    events = [(t, "draining" if m[1] else "drained" if m[2] else "ignored", next(g for g in m.groups() if g))
+              for t, x in log if (m := DRAIN_LOG.search(x))]
+    placed = [(t, *PLACED.search(x).groups()) for t, x in log if PLACED.search(x)]
+    # nothing is placed on a Draining or Terminated node: the first scale-up fails and provisions p-2
+    assert placed and all(node == "p-2" for _, _, node in placed)
+    assert any("PlaceInstance failed" in x for t, x in log if 1_000_000 < t < placed[0][0])
+    names = list(out.instance_names)
+    k = names.index(placed[0][1])
+    terminated = int(np.asarray(out.instance_entered)[k][lc.TERMINATED])
+    assert terminated > 8_000_000   # the autoscaler drains its replica later
+    # empty p-1: Terminated at once; p-0 stays Draining (its GPU is never released); p-3 is not
+    # Ready (never provisioned): ignored; p-2: Terminated when its only instance released its GPU
+    assert events == [(1_000_000, "draining", "p-0"), (1_000_000, "draining", "p-1"), (1_000_000, "drained", "p-1"),
+                      (1_000_000, "ignored", "p-3"), (8_000_000, "draining", "p-2"), (terminated, "drained", "p-2")]

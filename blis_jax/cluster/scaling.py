@@ -45,6 +45,9 @@ LOG_PLACED = 5  # info: scale-up placed an instance (slot, model, value = node)
 LOG_PLACE_FAILED = 6  # error: no Ready node has the GPUs (model, variant, value = seq)
 LOG_APPLY_FAILED = 7  # error: summary of an actuation's failures (value = count, slot = first failure's entry)
 LOG_PROVISIONING = 8  # info (extension): a node is provisioned after a failed placement (value = node, slot = ready µs)
+LOG_NODE_DRAINING = 9  # info (library): a node drain starts, Ready → Draining (slot = node)
+LOG_NODE_DRAINED = 10  # info (library): NodeDrained, Draining → Terminated (slot = node)
+LOG_NODE_NOT_READY = 11  # warning (library): a node drain of a node that is not Ready is ignored (slot = node)
 
 
 class ScalingParams(eqx.Module):
@@ -113,6 +116,11 @@ class ScalingState(eqx.Module):
     node_ready: Bool[Array, " Nodes"] | None = None
     retry_index: Int32[Array, " I"] | None = None
     retry_len: Int32[Array, ""] | None = None
+    # node drain (ClusterConfig.node_drains): the requested drain time of each node (INF_TIME
+    # none or done), whether it is Draining, and when it was Terminated (INF_TIME not)
+    node_drain_at: Int64[Array, " Nodes"] | None = None
+    node_draining: Bool[Array, " Nodes"] | None = None
+    node_terminated_at: Int64[Array, " Nodes"] | None = None
 
 
 def init_state(num_models: int, slots: int, pending: int, log: int, slot_variant, first_tick_at=0) -> ScalingState:
@@ -318,7 +326,10 @@ def next_node_ready(ss: ScalingState):
     none). Nodes Ready at the same µs go in node order (BLIS: push order, i.e. provisioning
     order; they differ only for nodes of different types provisioned at different times
     that become Ready at the same µs)."""
-    t = jnp.where(ss.node_ready, INF_TIME, ss.node_ready_at)
+    done = ss.node_ready   # Ready, or (with node drains) Draining or Terminated: past Provisioning
+    if ss.node_draining is not None:
+        done = done | ss.node_draining | (ss.node_terminated_at < INF_TIME)
+    t = jnp.where(done, INF_TIME, ss.node_ready_at)
     node = jnp.argmin(t)
     return node, t[node]
 
@@ -370,6 +381,39 @@ def node_ready_event(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, no
 
     new, life_new, _ = jax.lax.fori_loop(0, cap, attempt, (new, life, jnp.int32(0)))
     return _when(on, new, ss), _when(on, life_new, life)
+
+
+def next_node_drain(ss: ScalingState):
+    """(node, time) of the next requested node drain (INF_TIME none)."""
+    node = jnp.argmin(ss.node_drain_at)
+    return node, ss.node_drain_at[node]
+
+
+def node_drain_event(ss: ScalingState, now, on) -> ScalingState:
+    """A node drain (blis-infra §3.5, a BLIS library call; here a cluster event at its
+    requested time, after NodeReady events of that time): only a Ready node moves to Draining
+    (no instance is placed on it any more; its instances keep running); any other is ignored
+    with a warning. A node with no GPU allocated is drained at once: the loop runs
+    `nodes_drained` after every cluster event."""
+    node, _ = next_node_drain(ss)
+    ok = ss.node_ready[node]
+    new = dataclasses.replace(ss, node_drain_at=ss.node_drain_at.at[node].set(INF_TIME),
+                              node_ready=ss.node_ready.at[node].set(False),
+                              node_draining=ss.node_draining.at[node].set(ss.node_draining[node] | ok))
+    new = _log(new, ok, now, LOG_NODE_DRAINING, node, -1)
+    new = _log(new, ~ok, now, LOG_NODE_NOT_READY, node, -1)
+    return _when(on, new, ss)
+
+
+def nodes_drained(ss: ScalingState, life: lc.Lifecycle, sp: ScalingParams, now, on) -> ScalingState:
+    """NodeDrained (priority −2): a Draining node none of whose GPUs is allocated any more is
+    Terminated (its GPUs, all free, are never used again). Checked after every release of GPUs."""
+    nodes = sp.gpu_node.shape[0]
+    allocated = jax.ops.segment_sum((life.gpu_owner >= 0).astype(jnp.int32), sp.gpu_node, num_segments=nodes)
+    done = on & ss.node_draining & (allocated == 0)
+    new = dataclasses.replace(ss, node_draining=ss.node_draining & ~done,
+                              node_terminated_at=jnp.where(done, now, ss.node_terminated_at))
+    return _log(new, done, now, LOG_NODE_DRAINED, jnp.arange(nodes), -1)
 
 
 # ------------------------------------------------------------------------------ drain completion
@@ -431,6 +475,12 @@ def scaling_log_lines(ss, *, model_names: list[str], slot_names: list[str], vari
         elif kind == LOG_PROVISIONING:
             level, text = "info", (f"[autoscaler] provisioning node {node_names[slot]} after a failed placement "
                                    f"(blis-jax extension): Ready at {value} µs")
+        elif kind == LOG_NODE_DRAINING:
+            level, text = "info", f"[node] draining node {node_names[slot]}: Ready → Draining"
+        elif kind == LOG_NODE_DRAINED:
+            level, text = "info", f"[node] node {node_names[slot]} drained: Draining → Terminated"
+        elif kind == LOG_NODE_NOT_READY:
+            level, text = "warning", f"[node] drain of node {node_names[slot]} ignored: the node is not Ready"
         elif kind == LOG_APPLY_FAILED:
             first = messages[slot] if 0 <= slot < len(messages) else ""
             first = first.split("] ", 1)[1] if "] " in first else first

@@ -102,6 +102,10 @@ class ClusterConfig:
     # that finds no room provisions a node of the pool (up to `max_nodes`, Ready after the
     # pool's `provisioning_delay` drawn from the `node-provisioning` stream; scaling.py)
     provision_nodes: bool = False
+    # node drains (a BLIS library call, blis-infra §3.5): (node ID, µs) pairs; at that time a
+    # Ready node turns Draining (nothing is placed on it any more) and is Terminated once none
+    # of its GPUs is allocated. Needs provision_nodes (the node lifecycle lives there)
+    node_drains: tuple[tuple[str, int], ...] = ()
 
     def validate(self) -> ClusterConfig:
         n = self.num_instances
@@ -155,6 +159,7 @@ class ClusterConfig:
         if self.provision_nodes and (autoscaler is None or not self.node_pools):
             raise ConfigError(f"{name('cluster.provision_nodes')}: only the autoscaler's scale-up provisions nodes, on "
                               "node pools; enable the autoscaler and give node_pools (with max_nodes > initial_nodes)")
+        self._check_node_drains()
         if self.drain_policy == "redirect" and (self.flow_control is not None or self.admission().reads_state):
             raise ConfigError(f"{name('cluster.drain_policy')} redirect with flow control or a state-reading "
                               "admission policy (tier-shed, gaie-legacy) is not simulated yet")
@@ -162,6 +167,27 @@ class ClusterConfig:
             raise ConfigError("node_pools with prefill/decode pools are not supported yet; drop node_pools from the "
                               "policy bundle or --prefill-instances/--decode-instances")
         return self
+
+    def _check_node_drains(self):
+        if not self.node_drains:
+            return
+        field = name("cluster.node_drains")
+        if not self.provision_nodes:
+            raise ConfigError(f"{field}: node drain is part of the node lifecycle of "
+                              f"{name('cluster.provision_nodes')}; set it (with the autoscaler and node_pools)")
+        nodes = {g.node for g in infra.inventory(self.node_pools, provisionable=True)}
+        seen = set()
+        for entry in self.node_drains:
+            if (not isinstance(entry, tuple) or len(entry) != 2 or not isinstance(entry[0], str)
+                    or isinstance(entry[1], bool) or not isinstance(entry[1], int) or entry[1] < 0):
+                raise ConfigError(f"{field}: each entry is (node ID, time in µs >= 0), e.g. ('pool-0', 5_000_000); "
+                                  f"got {entry!r}")
+            if entry[0] not in nodes:
+                raise ConfigError(f"{field}: unknown node {entry[0]!r}; nodes are <pool name>-<k>, k < "
+                                  f"max(max_nodes, initial_nodes): {', '.join(sorted(nodes))}")
+            if entry[0] in seen:
+                raise ConfigError(f"{field}: node {entry[0]!r} is drained twice; give each node at most once")
+            seen.add(entry[0])
 
     def effective_autoscaler(self) -> asc.AutoscalerConfig | None:
         """The autoscaler that runs (None: off), with the flag's interval precedence."""
@@ -593,6 +619,11 @@ class ScalingSetup:
             ss = dataclasses.replace(ss, node_ready_at=jnp.asarray(np.where(p["initial"], 0, INF_TIME), jnp.int64),
                                      provisioning_draws=jnp.int32(0), node_ready=jnp.asarray(p["initial"]),
                                      retry_index=jnp.asarray(retry), retry_len=jnp.int32(len(p["pending"])))
+            if p["drain_at"] is not None:
+                nodes = p["drain_at"].shape[0]
+                ss = dataclasses.replace(ss, node_drain_at=jnp.asarray(p["drain_at"]),
+                                         node_draining=jnp.zeros(nodes, bool),
+                                         node_terminated_at=jnp.full(nodes, INF_TIME, jnp.int64))
         return dataclasses.replace(ss, next_slot=jnp.asarray(self.first_new_slot, jnp.int32))
 
 
@@ -695,7 +726,13 @@ def _provisioning(cluster: ClusterConfig, gpus, nodes: list, types: list, startu
         owner[where[gpu.id]] = held_by
     pending = [k for k, p in enumerate(startup.placements) if p is None]
     tp = max((p.tp for p in startup.placements if p is not None), default=1)
-    return dict(initial=initial, type=kind, mean=mean, std=std, owner=owner, pending=pending, startup_tp=tp)
+    drain_at = None
+    if cluster.node_drains:
+        drain_at = np.full(g, INF_TIME, np.int64)
+        for node, at in cluster.node_drains:
+            drain_at[nodes.index(node)] = at
+    return dict(initial=initial, type=kind, mean=mean, std=std, owner=owner, pending=pending, startup_tp=tp,
+                drain_at=drain_at)
 
 
 def model_ids(requests: RequestSet, cluster: ClusterConfig, padded_to: int) -> dict:
