@@ -13,6 +13,10 @@ BLIS.
 How a drained instance's work ends is the drain policy's (drain.py): BLIS's CLI drain
 ("bare") or its library-only WAIT / IMMEDIATE / REDIRECT policies.
 
+With node provisioning (a blis-jax extension), BLIS's library node lifecycle (§3.5) runs too:
+NodeReady events (priority −2) with their retry pass over the pending startup instances, and
+node drains (Ready → Draining → Terminated once the node holds no allocated GPU).
+
 Random draws (scrape delays from the `autoscaler` stream, the new instances' loading delays
 from `instance-loading`) are made on the host in stream order; the loop takes the k-th of each.
 What BLIS logs about scaling is kept in a bounded event log (`LOG_*` kinds) and rendered on the

@@ -100,7 +100,8 @@ class ClusterConfig:
     drain_policy: str = "bare"
     # a blis-jax extension beyond BLIS (whose autoscaler never provisions nodes): a scale-up
     # that finds no room provisions a node of the pool (up to `max_nodes`, Ready after the
-    # pool's `provisioning_delay` drawn from the `node-provisioning` stream; scaling.py)
+    # pool's `provisioning_delay` drawn from the `node-provisioning` stream; scaling.py); its
+    # NodeReady events retry the pending startup instances (BLIS library behaviour, §3.5)
     provision_nodes: bool = False
     # node drains (a BLIS library call, blis-infra §3.5): (node ID, µs) pairs; at that time a
     # Ready node turns Draining (nothing is placed on it any more) and is Terminated once none
@@ -484,7 +485,7 @@ def _finish_cluster(cs, edims, code, readers, *, requests, params, cluster, star
                     decode_role, lora):
     # the instances that exist (a pending startup instance is absent from every output, as in
     # BLIS); first-fit with one TP for all makes the placed ones a prefix of the indices, and
-    # the autoscaler's follow them in creation order
+    # the autoscaler's and those a NodeReady retry placed later follow them in creation order
     built = cluster.num_instances if startup is None else startup.num_placed
     if scaling_setup is not None:
         built = int(cs.scaling.next_slot)
