@@ -383,7 +383,9 @@ def node_ready_event(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, no
             full=ss.full | (placed & (ss.loading_draws >= sp.loading_delay_us.shape[0])))
         return ss, life, i + (on & ~placed)
 
-    new, life_new, _ = jax.lax.fori_loop(0, cap, attempt, (new, life, jnp.int32(0)))
+    # a loop of as many attempts as entries: none at the (masked) iterations without a NodeReady
+    bound = jnp.where(on, jnp.minimum(attempts, cap), 0)
+    new, life_new, _ = jax.lax.fori_loop(0, bound, attempt, (new, life, jnp.int32(0)))
     return _when(on, new, ss), _when(on, life_new, life)
 
 
