@@ -32,7 +32,7 @@ LOADING = Delay(1.0, 0.3)
 # ------------------------------------------------------------------- the retry pass, by itself
 
 
-def _retry(pending: list[int], free_gpus: int, delays: list[int], ready_before=()):
+def _retry(pending: list[int], free_gpus: int, delays: list[int]):
     """One NodeReady event of node 1 (with `free_gpus` TP-1 GPUs) on a cluster whose startup
     slots 0–1 are Active on node 0 and whose pending list is `pending`; returns (scaling state,
     lifecycle)."""
@@ -102,9 +102,10 @@ def test_retry_pass_with_room_for_all_places_every_pending_instance():
     assert int(ss.retry_len) == 0
 
 
-def test_node_ready_event_without_room_places_nothing():
-    ss, life = _retry([2, 3], free_gpus=0 + 1, delays=[0, 0, 0, 0])   # one GPU: one instance
+def test_retry_pass_keeps_what_does_not_fit_pending():
+    ss, life = _retry([2, 3], free_gpus=1, delays=[0, 0, 0, 0])   # one GPU: one instance
     assert int(ss.next_slot) == 3 and int(ss.retry_len) == 1 and int(ss.retry_index[0]) == 3
+    assert int(ss.loading_draws) == 1   # no draw for an instance not placed
 
 
 # ------------------------------------------------------------------------ inside a whole run
