@@ -4,7 +4,8 @@ which are routable, and the pending InstanceLoaded events.
 States are int32 codes in BLIS's forward order (every allowed transition raises the code), so
 "has moved past X" is a comparison and later transitions (drain, termination, the
 autoscaler's instances) are further writes to the same arrays. `ABSENT` marks a slot that holds
-no instance: a pending (unplaceable) startup instance, or padding slots of a compiled program.
+no instance: padding slots of a compiled program (a pending, unplaceable startup instance has
+no slot: placed later by a NodeReady retry, with node provisioning, it takes the next free one).
 
 Routable ⇔ WarmingUp or Active. An instance in `Loading` with `loaded_at` = t becomes Active
 at t through an InstanceLoaded cluster event (priority −1: before any arrival, admission or

@@ -379,6 +379,10 @@ def next_cluster_time(cs: ClusterState, cparams, params, req):
         t = jnp.minimum(t, _gateway_time(gateway_events(cs, cparams, params, req)))
     if cs.scaling is not None:
         t = jnp.minimum(t, jnp.minimum(*_scaling_times(cs, params)))
+        if cs.scaling.node_ready is not None:
+            t = jnp.minimum(t, _node_ready_time(cs, params))
+        if cs.scaling.node_drain_at is not None:
+            t = jnp.minimum(t, _node_drain_time(cs, params))
     if cs.drain is not None:
         t = jnp.minimum(t, _redirect_time(cs, cparams, params)[1])
     return t
@@ -413,6 +417,18 @@ def _scaling_times(cs: ClusterState, params):
     _, t_act = scaling.next_actuation(cs.scaling)
     before = lambda t: jnp.where(t <= params.horizon_us, t, INF_TIME)  # noqa: E731
     return before(cs.scaling.next_tick), before(t_act)
+
+
+def _node_ready_time(cs: ClusterState, params):
+    """Next NodeReady event (node provisioning); INF_TIME past the horizon or when none."""
+    _, t = scaling.next_node_ready(cs.scaling)
+    return jnp.where(t <= params.horizon_us, t, INF_TIME)
+
+
+def _node_drain_time(cs: ClusterState, params):
+    """Next requested node drain; INF_TIME past the horizon or when none."""
+    _, t = scaling.next_node_drain(cs.scaling)
+    return jnp.where(t <= params.horizon_us, t, INF_TIME)
 
 
 def _scaling_tick(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, req, now, on):
@@ -799,6 +815,14 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.scaling:
             t_scaling_tick, t_act = _scaling_times(c, params)
             t_cluster = jnp.minimum(t_cluster, jnp.minimum(t_scaling_tick, t_act))
+        node_events = cd.scaling and c.scaling.node_ready is not None   # node provisioning
+        if node_events:
+            t_node_ready = _node_ready_time(c, params)
+            t_cluster = jnp.minimum(t_cluster, t_node_ready)
+        node_drains = cd.scaling and c.scaling.node_drain_at is not None   # ClusterConfig.node_drains
+        if node_drains:
+            t_node_drain = _node_drain_time(c, params)
+            t_cluster = jnp.minimum(t_cluster, t_node_drain)
         redirects = cd.scaling and cd.scaling_drain
         if redirects:
             t_redirect = _redirect_time(c, cparams, params)[1]
@@ -829,8 +853,18 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         if cd.scaling:  # a drained instance whose queue and batch emptied is terminated
             c = dataclasses.replace(c, lifecycle=scaling.terminate_drained(
                 c.scaling, c.lifecycle, c.instances.wait_len, c.instances.batch_len, c.instances.events, caught))
-        # same-tick order (BLIS's event priorities): instance loaded -1, admission 1, routing 2,
-        # TTL expiry and transfer completion 6, dispatch tick 7, scaling tick 8, actuation 9
+        # same-tick order (BLIS's event priorities): node ready -2, instance loaded -1, admission 1,
+        # routing 2, TTL expiry and transfer completion 6, dispatch tick 7, scaling tick 8, actuation 9
+        if node_events:
+            is_node_ready = t_node_ready <= t_cluster
+            ss, life = scaling.node_ready_event(c.scaling, cparams.scaling, c.lifecycle, t_node_ready,
+                                                go & is_node_ready, _ready(c))
+            c = dataclasses.replace(c, scaling=ss, lifecycle=life)
+            go = go & ~is_node_ready
+        if node_drains:
+            is_node_drain = t_node_drain <= t_cluster
+            c = dataclasses.replace(c, scaling=scaling.node_drain_event(c.scaling, t_node_drain, go & is_node_drain))
+            go = go & ~is_node_drain
         is_loaded = t_loaded <= t_cluster
         c = dataclasses.replace(c, lifecycle=lifecycle.load(c.lifecycle, t_loaded, go & is_loaded, _ready(c)))
         go = go & ~is_loaded
@@ -874,6 +908,12 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
             # empties after the last one: at its own clock, which an idle one has left behind)
             now = jnp.where(t_cluster < INF_TIME, t_cluster, jnp.maximum(c.instances.now, jnp.max(c.entered, axis=1)))
             c = dataclasses.replace(c, entered=timeline.record(c.entered, before, c.lifecycle.state, now))
+            if node_drains:   # NodeDrained once a Draining node's GPUs are all released (here or by a drain)
+                # after the last cluster event: when the last instance terminated here did
+                ended = (c.lifecycle.state == lifecycle.TERMINATED) & (before != lifecycle.TERMINATED)
+                at = jnp.where(t_cluster < INF_TIME, t_cluster, jnp.max(jnp.where(ended, now, 0)))
+                c = dataclasses.replace(c, scaling=scaling.nodes_drained(c.scaling, c.lifecycle, cparams.scaling, at,
+                                                                         caught))
         return c
 
     return masked_while(cond, body, cs, (params, lparams, cparams, req, static_out_len, model, event_limit))

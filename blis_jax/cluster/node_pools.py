@@ -12,7 +12,9 @@ warm start. All of this happens once, on the host, before the run; the transitio
 (Loading → Active when the delay is over) happen inside the cluster loop (lifecycle.py).
 
 Only what BLIS's CLI reaches is built here: nodes never change state and no node is added
-(provisioning delays and `min_nodes`/`max_nodes` are validated only). `free_gpu_slots` is the
+(provisioning delays and `min_nodes`/`max_nodes` are validated only). The library-only node
+lifecycle (provisioning, NodeReady retry of the pending instances, node drain) runs in the
+cluster loop with `ClusterConfig.provision_nodes` (scaling.py). `free_gpu_slots` is the
 GPU inventory BLIS computes every tick for its library-only greedy engine.
 """
 

@@ -13,6 +13,10 @@ BLIS.
 How a drained instance's work ends is the drain policy's (drain.py): BLIS's CLI drain
 ("bare") or its library-only WAIT / IMMEDIATE / REDIRECT policies.
 
+With node provisioning (a blis-jax extension), BLIS's library node lifecycle (§3.5) runs too:
+NodeReady events (priority −2) with their retry pass over the pending startup instances, and
+node drains (Ready → Draining → Terminated once the node holds no allocated GPU).
+
 Random draws (scrape delays from the `autoscaler` stream, the new instances' loading delays
 from `instance-loading`) are made on the host in stream order; the loop takes the k-th of each.
 What BLIS logs about scaling is kept in a bounded event log (`LOG_*` kinds) and rendered on the
@@ -45,6 +49,9 @@ LOG_PLACED = 5  # info: scale-up placed an instance (slot, model, value = node)
 LOG_PLACE_FAILED = 6  # error: no Ready node has the GPUs (model, variant, value = seq)
 LOG_APPLY_FAILED = 7  # error: summary of an actuation's failures (value = count, slot = first failure's entry)
 LOG_PROVISIONING = 8  # info (extension): a node is provisioned after a failed placement (value = node, slot = ready µs)
+LOG_NODE_DRAINING = 9  # info (library): a node drain starts, Ready → Draining (slot = node)
+LOG_NODE_DRAINED = 10  # info (library): NodeDrained, Draining → Terminated (slot = node)
+LOG_NODE_NOT_READY = 11  # warning (library): a node drain of a node that is not Ready is ignored (slot = node)
 
 
 class ScalingParams(eqx.Module):
@@ -73,6 +80,10 @@ class ScalingParams(eqx.Module):
     node_delay_mean_s: Float64[Array, " Nodes"] = None
     node_delay_std_s: Float64[Array, " Nodes"] = None
     provisioning_normals: Float64[Array, " K"] = None
+    # the retry of pending startup instances at NodeReady (BLIS library behaviour, §3.5): their
+    # TP (max(--tp, 1)) and the variant an instance of that TP has on each GPU type
+    startup_tp: Int32[Array, ""] = None
+    type_variant: Int32[Array, " T"] = None
 
 
 class ScalingState(eqx.Module):
@@ -88,7 +99,9 @@ class ScalingState(eqx.Module):
     loading_draws: Int32[Array, ""]
     seq: Int32[Array, ""]  # autoscale-<model>-<seq> counter (incremented before every placement attempt)
     next_slot: Int32[Array, ""]
-    slot_seq: Int32[Array, " I"]  # seq of an autoscaler-created slot, 0 for a startup slot
+    # seq of an autoscaler-created slot, 0 for a startup slot (instance_<slot>), −(idx + 1) for
+    # a pending startup instance instance_<idx> placed later (at a NodeReady event)
+    slot_seq: Int32[Array, " I"]
     slot_variant: Int32[Array, " I"]
     drained_events: Int64[Array, " I"]  # the instance's event count when it was drained (-1 not drained)
     log_time: Int64[Array, " L"]
@@ -101,6 +114,17 @@ class ScalingState(eqx.Module):
     slots_full: Bool[Array, ""]  # a scale-up found no free instance slot (results.INSTANCE_SLOTS_FULL)
     node_ready_at: Int64[Array, " Nodes"] | None = None  # provisioning: when each node is Ready (INF_TIME: none)
     provisioning_draws: Int32[Array, ""] | None = None
+    # provisioning: node state Ready (initial nodes at t = 0, provisioned ones at their NodeReady
+    # event), and BLIS's pending list of startup instances that could not be placed (their
+    # indices; its order changes as entries are removed)
+    node_ready: Bool[Array, " Nodes"] | None = None
+    retry_index: Int32[Array, " I"] | None = None
+    retry_len: Int32[Array, ""] | None = None
+    # node drain (ClusterConfig.node_drains): the requested drain time of each node (INF_TIME
+    # none or done), whether it is Draining, and when it was Terminated (INF_TIME not)
+    node_drain_at: Int64[Array, " Nodes"] | None = None
+    node_draining: Bool[Array, " Nodes"] | None = None
+    node_terminated_at: Int64[Array, " Nodes"] | None = None
 
 
 def init_state(num_models: int, slots: int, pending: int, log: int, slot_variant, first_tick_at=0) -> ScalingState:
@@ -209,7 +233,8 @@ def actuate(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, instance_mo
 
 def byte_order_rank(ss: ScalingState, sp: ScalingParams):
     """Each slot's ID rank in byte order: `autoscale-…` IDs (by seq) before `instance_…` ones."""
-    return jnp.where(ss.slot_seq > 0, ss.slot_seq.astype(jnp.int64), jnp.int64(1 << 40) + sp.startup_rank)
+    index = jnp.where(ss.slot_seq < 0, -ss.slot_seq - 1, jnp.arange(ss.slot_seq.shape[0]))
+    return jnp.where(ss.slot_seq > 0, ss.slot_seq.astype(jnp.int64), jnp.int64(1 << 40) + sp.startup_rank[index])
 
 
 def _scale_down(ss, sp, life, instance_model, instance_events, m, v, count, now):
@@ -238,8 +263,8 @@ def _scale_up(ss, sp, life, m, v, count, now, ready):
         on = j < count
         seq = ss.seq + 1
         free = (life.gpu_owner < 0) & (sp.gpu_type == gpu_type)
-        if ss.node_ready_at is not None:  # provisioning: only Ready nodes take instances
-            free = free & (ss.node_ready_at[sp.gpu_node] <= now)
+        if ss.node_ready is not None:  # provisioning: only Ready nodes take instances
+            free = free & ss.node_ready[sp.gpu_node]
         per_node = jax.ops.segment_sum(free.astype(jnp.int32), sp.gpu_node, num_segments=nodes)
         fits = per_node >= tp
         node = jnp.argmax(fits)
@@ -295,6 +320,106 @@ def _provision(ss: ScalingState, sp: ScalingParams, gpu_type, failed, now) -> Sc
     ss = dataclasses.replace(ss, node_ready_at=ready.at[at].set(now + delay, mode="drop"),
                              provisioning_draws=k + (go & draws), full=ss.full | (go & draws & (k >= cap)))
     return _log(ss, go, now, LOG_PROVISIONING, node, -1, now + delay)
+
+
+# ------------------------------------------------------------------------------- node readiness
+
+
+def next_node_ready(ss: ScalingState):
+    """(node, time) of the next NodeReady event: a provisioned node not yet Ready (INF_TIME
+    none). Nodes Ready at the same µs go in node order (BLIS: push order, i.e. provisioning
+    order; they differ only for nodes of different types provisioned at different times
+    that become Ready at the same µs)."""
+    done = ss.node_ready   # Ready, or (with node drains) Draining or Terminated: past Provisioning
+    if ss.node_draining is not None:
+        done = done | ss.node_draining | (ss.node_terminated_at < INF_TIME)
+    t = jnp.where(done, INF_TIME, ss.node_ready_at)
+    node = jnp.argmin(t)
+    return node, t[node]
+
+
+def node_ready_event(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, now, on, ready=lc.ACTIVE
+                     ) -> tuple[ScalingState, lc.Lifecycle]:
+    """NodeReady (priority −2, blis-infra §3.5, a BLIS library behaviour): the node turns
+    Ready, then one retry pass over the pending startup instances, bounded by the list's
+    length at the start of the pass. Entry i is tried; if it now fits (first fit on any Ready
+    node, the startup TP), the last entry moves into slot i and is tried next; else i moves
+    on. A placed instance is built as a live instance (§2.3 D): the next free slot (after
+    every existing instance), its `instance_<idx>` ID, a loading delay drawn from
+    `instance-loading` in retry order (§1.3 rule 3), Loading → WarmingUp/Active as any other
+    (`ready`: the state without loading delay)."""
+    node, _ = next_node_ready(ss)
+    new = dataclasses.replace(ss, node_ready=ss.node_ready.at[node].set(True))
+    slots, nodes = life.state.shape[0], sp.gpu_node.shape[0]
+    tp, cap = sp.startup_tp, ss.retry_index.shape[0]
+    attempts = new.retry_len
+
+    def attempt(j, carry):
+        ss, life, i = carry
+        on = j < attempts
+        free = (life.gpu_owner < 0) & ss.node_ready[sp.gpu_node]
+        per_node = jax.ops.segment_sum(free.astype(jnp.int32), sp.gpu_node, num_segments=nodes)
+        fits = per_node >= tp
+        at = jnp.argmax(fits)
+        placed = on & jnp.any(fits) & (ss.next_slot < slots)
+        mine = free & (sp.gpu_node == at)
+        take = mine & (jnp.cumsum(mine) <= tp) & placed
+        slot, idx = ss.next_slot, ss.retry_index[jnp.minimum(i, cap - 1)]
+        k = jnp.minimum(ss.loading_draws, sp.loading_delay_us.shape[0] - 1)
+        delay = sp.loading_delay_us[k]
+        here = placed & (jnp.arange(slots) == slot)
+        life = dataclasses.replace(
+            life, state=jnp.where(here, jnp.where(delay > 0, lc.LOADING, ready), life.state).astype(life.state.dtype),
+            loaded_at=jnp.where(here & (delay > 0), now + delay, life.loaded_at),
+            gpus=jnp.where(here, tp, life.gpus).astype(life.gpus.dtype),
+            gpu_owner=jnp.where(take, slot, life.gpu_owner).astype(life.gpu_owner.dtype))
+        last = ss.retry_len - 1
+        index = ss.retry_index.at[jnp.where(placed, i, cap)].set(ss.retry_index[jnp.maximum(last, 0)], mode="drop")
+        ss = dataclasses.replace(
+            ss, next_slot=ss.next_slot + placed, slot_seq=jnp.where(here, -(idx + 1), ss.slot_seq),
+            slot_variant=jnp.where(here, sp.type_variant[sp.node_type[at]], ss.slot_variant),
+            loading_draws=ss.loading_draws + placed, retry_index=index, retry_len=ss.retry_len - placed,
+            slots_full=ss.slots_full | (on & jnp.any(fits) & (ss.next_slot >= slots)),
+            full=ss.full | (placed & (ss.loading_draws >= sp.loading_delay_us.shape[0])))
+        return ss, life, i + (on & ~placed)
+
+    # a loop of as many attempts as entries: none at the (masked) iterations without a NodeReady
+    bound = jnp.where(on, jnp.minimum(attempts, cap), 0)
+    new, life_new, _ = jax.lax.fori_loop(0, bound, attempt, (new, life, jnp.int32(0)))
+    return _when(on, new, ss), _when(on, life_new, life)
+
+
+def next_node_drain(ss: ScalingState):
+    """(node, time) of the next requested node drain (INF_TIME none)."""
+    node = jnp.argmin(ss.node_drain_at)
+    return node, ss.node_drain_at[node]
+
+
+def node_drain_event(ss: ScalingState, now, on) -> ScalingState:
+    """A node drain (blis-infra §3.5, a BLIS library call; here a cluster event at its
+    requested time, after NodeReady events of that time): only a Ready node moves to Draining
+    (no instance is placed on it any more; its instances keep running); any other is ignored
+    with a warning. A node with no GPU allocated is drained at once: the loop runs
+    `nodes_drained` after every cluster event."""
+    node, _ = next_node_drain(ss)
+    ok = ss.node_ready[node]
+    new = dataclasses.replace(ss, node_drain_at=ss.node_drain_at.at[node].set(INF_TIME),
+                              node_ready=ss.node_ready.at[node].set(False),
+                              node_draining=ss.node_draining.at[node].set(ss.node_draining[node] | ok))
+    new = _log(new, ok, now, LOG_NODE_DRAINING, node, -1)
+    new = _log(new, ~ok, now, LOG_NODE_NOT_READY, node, -1)
+    return _when(on, new, ss)
+
+
+def nodes_drained(ss: ScalingState, life: lc.Lifecycle, sp: ScalingParams, now, on) -> ScalingState:
+    """NodeDrained (priority −2): a Draining node none of whose GPUs is allocated any more is
+    Terminated (its GPUs, all free, are never used again). Checked after every release of GPUs."""
+    nodes = sp.gpu_node.shape[0]
+    allocated = jax.ops.segment_sum((life.gpu_owner >= 0).astype(jnp.int32), sp.gpu_node, num_segments=nodes)
+    done = on & ss.node_draining & (allocated == 0)
+    new = dataclasses.replace(ss, node_draining=ss.node_draining & ~done,
+                              node_terminated_at=jnp.where(done, now, ss.node_terminated_at))
+    return _log(new, done, now, LOG_NODE_DRAINED, jnp.arange(nodes), -1)
 
 
 # ------------------------------------------------------------------------------ drain completion
@@ -356,6 +481,12 @@ def scaling_log_lines(ss, *, model_names: list[str], slot_names: list[str], vari
         elif kind == LOG_PROVISIONING:
             level, text = "info", (f"[autoscaler] provisioning node {node_names[slot]} after a failed placement "
                                    f"(blis-jax extension): Ready at {value} µs")
+        elif kind == LOG_NODE_DRAINING:
+            level, text = "info", f"[node] draining node {node_names[slot]}: Ready → Draining"
+        elif kind == LOG_NODE_DRAINED:
+            level, text = "info", f"[node] node {node_names[slot]} drained: Draining → Terminated"
+        elif kind == LOG_NODE_NOT_READY:
+            level, text = "warning", f"[node] drain of node {node_names[slot]} ignored: the node is not Ready"
         elif kind == LOG_APPLY_FAILED:
             first = messages[slot] if 0 <= slot < len(messages) else ""
             first = first.split("] ", 1)[1] if "] " in first else first
@@ -372,4 +503,5 @@ def slot_names(ss, model: str, count: int) -> list[str]:
     """The first `count` slots' instance IDs: `instance_<k>` for a startup slot,
     `autoscale-<model>-<seq>` for one the autoscaler filled."""
     seq = np.asarray(jax.device_get(ss.slot_seq))
-    return [f"autoscale-{model}-{int(seq[k]):06d}" if seq[k] > 0 else f"instance_{k}" for k in range(count)]
+    return [f"autoscale-{model}-{int(seq[k]):06d}" if seq[k] > 0 else f"instance_{-int(seq[k]) - 1}" if seq[k] < 0
+            else f"instance_{k}" for k in range(count)]

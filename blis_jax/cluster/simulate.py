@@ -100,8 +100,13 @@ class ClusterConfig:
     drain_policy: str = "bare"
     # a blis-jax extension beyond BLIS (whose autoscaler never provisions nodes): a scale-up
     # that finds no room provisions a node of the pool (up to `max_nodes`, Ready after the
-    # pool's `provisioning_delay` drawn from the `node-provisioning` stream; scaling.py)
+    # pool's `provisioning_delay` drawn from the `node-provisioning` stream; scaling.py); its
+    # NodeReady events retry the pending startup instances (BLIS library behaviour, §3.5)
     provision_nodes: bool = False
+    # node drains (a BLIS library call, blis-infra §3.5): (node ID, µs) pairs; at that time a
+    # Ready node turns Draining (nothing is placed on it any more) and is Terminated once none
+    # of its GPUs is allocated. Needs provision_nodes (the node lifecycle lives there)
+    node_drains: tuple[tuple[str, int], ...] = ()
 
     def validate(self) -> ClusterConfig:
         n = self.num_instances
@@ -155,6 +160,7 @@ class ClusterConfig:
         if self.provision_nodes and (autoscaler is None or not self.node_pools):
             raise ConfigError(f"{name('cluster.provision_nodes')}: only the autoscaler's scale-up provisions nodes, on "
                               "node pools; enable the autoscaler and give node_pools (with max_nodes > initial_nodes)")
+        self._check_node_drains()
         if self.drain_policy == "redirect" and (self.flow_control is not None or self.admission().reads_state):
             raise ConfigError(f"{name('cluster.drain_policy')} redirect with flow control or a state-reading "
                               "admission policy (tier-shed, gaie-legacy) is not simulated yet")
@@ -162,6 +168,27 @@ class ClusterConfig:
             raise ConfigError("node_pools with prefill/decode pools are not supported yet; drop node_pools from the "
                               "policy bundle or --prefill-instances/--decode-instances")
         return self
+
+    def _check_node_drains(self):
+        if not self.node_drains:
+            return
+        field = name("cluster.node_drains")
+        if not self.provision_nodes:
+            raise ConfigError(f"{field}: node drain is part of the node lifecycle of "
+                              f"{name('cluster.provision_nodes')}; set it (with the autoscaler and node_pools)")
+        nodes = {g.node for g in infra.inventory(self.node_pools, provisionable=True)}
+        seen = set()
+        for entry in self.node_drains:
+            if (not isinstance(entry, tuple) or len(entry) != 2 or not isinstance(entry[0], str)
+                    or isinstance(entry[1], bool) or not isinstance(entry[1], int) or entry[1] < 0):
+                raise ConfigError(f"{field}: each entry is (node ID, time in µs >= 0), e.g. ('pool-0', 5_000_000); "
+                                  f"got {entry!r}")
+            if entry[0] not in nodes:
+                raise ConfigError(f"{field}: unknown node {entry[0]!r}; nodes are <pool name>-<k>, k < "
+                                  f"max(max_nodes, initial_nodes): {', '.join(sorted(nodes))}")
+            if entry[0] in seen:
+                raise ConfigError(f"{field}: node {entry[0]!r} is drained twice; give each node at most once")
+            seen.add(entry[0])
 
     def effective_autoscaler(self) -> asc.AutoscalerConfig | None:
         """The autoscaler that runs (None: off), with the flag's interval precedence."""
@@ -458,7 +485,7 @@ def _finish_cluster(cs, edims, code, readers, *, requests, params, cluster, star
                     decode_role, lora):
     # the instances that exist (a pending startup instance is absent from every output, as in
     # BLIS); first-fit with one TP for all makes the placed ones a prefix of the indices, and
-    # the autoscaler's follow them in creation order
+    # the autoscaler's and those a NodeReady retry placed later follow them in creation order
     built = cluster.num_instances if startup is None else startup.num_placed
     if scaling_setup is not None:
         built = int(cs.scaling.next_slot)
@@ -577,6 +604,8 @@ class ScalingSetup:
         p = self.provisioning
         rng = GoRand(subsystem_seed(self.seed, NODE_PROVISIONING))
         return dict(node_initial=jnp.asarray(p["initial"]), node_type=jnp.asarray(p["type"], jnp.int32),
+                    startup_tp=jnp.asarray(p["startup_tp"], jnp.int32),
+                    type_variant=jnp.asarray(p["type_variant"], jnp.int32),
                     node_delay_mean_s=jnp.asarray(p["mean"], jnp.float64),
                     node_delay_std_s=jnp.asarray(p["std"], jnp.float64),
                     provisioning_normals=jnp.asarray([rng.norm_float64() for _ in range(draws)], jnp.float64))
@@ -585,8 +614,17 @@ class ScalingSetup:
         ss = scaling.init_state(cd.scaling_models, cd.num_instances, cd.scaling_pending, cd.scaling_log,
                                 self.slot_variant)
         if self.provisioning is not None:
-            ss = dataclasses.replace(ss, node_ready_at=jnp.asarray(np.where(self.provisioning["initial"], 0, INF_TIME),
-                                                                   jnp.int64), provisioning_draws=jnp.int32(0))
+            p = self.provisioning
+            retry = np.full(cd.num_instances, -1, np.int32)   # BLIS's pending list: index order at construction
+            retry[:len(p["pending"])] = p["pending"]
+            ss = dataclasses.replace(ss, node_ready_at=jnp.asarray(np.where(p["initial"], 0, INF_TIME), jnp.int64),
+                                     provisioning_draws=jnp.int32(0), node_ready=jnp.asarray(p["initial"]),
+                                     retry_index=jnp.asarray(retry), retry_len=jnp.int32(len(p["pending"])))
+            if p["drain_at"] is not None:
+                nodes = p["drain_at"].shape[0]
+                ss = dataclasses.replace(ss, node_drain_at=jnp.asarray(p["drain_at"]),
+                                         node_draining=jnp.zeros(nodes, bool),
+                                         node_terminated_at=jnp.full(nodes, INF_TIME, jnp.int64))
         return dataclasses.replace(ss, next_slot=jnp.asarray(self.first_new_slot, jnp.int32))
 
 
@@ -622,6 +660,8 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
         raise ConfigError("the autoscaler on node pools of different GPU memory is not simulated yet (its new "
                           "instances' KV capacity depends on where they land); give the pools the same "
                           "gpu_memory_gib, or set --total-kv-blocks")
+    if provisioning is not None:   # a pending startup instance may land on any type (§3.5)
+        provisioning["type_variant"] = _startup_variants(cluster, startup, types, variants, blocks_of)
     new_blocks, new_mml = next(iter(blocks_of.values()))
     first_new = startup.num_placed
     blocks = np.asarray(deployed.total_kv_blocks).copy()
@@ -643,6 +683,31 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
         construction_draws=construction, drain_policy=cluster.drain_policy, provisioning=provisioning)
 
 
+def _startup_variants(cluster: ClusterConfig, startup: infra.StartupInstances, types: list, variants: list,
+                      blocks_of: dict) -> np.ndarray:
+    """Per GPU type, the variant (type, startup TP, cost of the first pool of that type) of a
+    pending startup instance placed on it at a NodeReady retry, added to `variants` when no
+    placed instance has it (a variant without replicas changes no autoscaler figure). Its KV
+    capacity is the new slots' (one for all): pools whose GPU memory differs are refused."""
+    tp = next(p.tp for p in startup.placements if p is not None)
+    first = {}
+    for pool in cluster.node_pools:
+        first.setdefault(pool.gpu_type, pool)
+    out = np.zeros(len(types), np.int32)
+    for t, gpu_type in enumerate(types):
+        key = (gpu_type, tp, float(first[gpu_type].cost_per_hour))
+        if key not in variants and startup.num_placed < len(startup.placements):
+            variants.append(key)
+        out[t] = variants.index(key) if key in variants else 0
+    if startup.num_placed < len(startup.placements):
+        memory = {float(p.gpu_memory_gib) for p in cluster.node_pools}
+        if len(memory) > 1:
+            raise ConfigError(f"{name('cluster.provision_nodes')}: pending startup instances placed on a provisioned "
+                              "node of pools with different gpu_memory_gib are not simulated yet (their KV capacity "
+                              "depends on where they land); give the pools the same gpu_memory_gib")
+    return out
+
+
 def _provisioning(cluster: ClusterConfig, gpus, nodes: list, types: list, startup: infra.StartupInstances) -> dict:
     """Per node of the provisionable inventory (padded to the GPU count): whether it exists at
     t = 0, its GPU type and its pool's provisioning delay; and the startup GPU owners moved onto
@@ -660,7 +725,15 @@ def _provisioning(cluster: ClusterConfig, gpus, nodes: list, types: list, startu
     owner = np.full(g, -1, np.int32)
     for gpu, held_by in zip(infra.inventory(cluster.node_pools), startup.gpu_owner):
         owner[where[gpu.id]] = held_by
-    return dict(initial=initial, type=kind, mean=mean, std=std, owner=owner)
+    pending = [k for k, p in enumerate(startup.placements) if p is None]
+    tp = max((p.tp for p in startup.placements if p is not None), default=1)
+    drain_at = None
+    if cluster.node_drains:
+        drain_at = np.full(g, INF_TIME, np.int64)
+        for node, at in cluster.node_drains:
+            drain_at[nodes.index(node)] = at
+    return dict(initial=initial, type=kind, mean=mean, std=std, owner=owner, pending=pending, startup_tp=tp,
+                drain_at=drain_at)
 
 
 def model_ids(requests: RequestSet, cluster: ClusterConfig, padded_to: int) -> dict:

@@ -410,7 +410,9 @@ def _startup_instances(d: Deployment, cluster: ClusterConfig, arch, gpu, tp: int
         mml.append(m)
     pending = [f"instance_{i}" for i, p in enumerate(placements) if p is None]
     if pending:  # BLIS says nothing; an absent instance deserves a line
-        warn(f"{', '.join(pending)}: no Ready node has {max(tp, 1)} free GPUs; not started (absent from the outputs)")
+        later = ("pending: retried when a provisioned node turns Ready" if cluster.provision_nodes
+                 else "not started (absent from the outputs)")
+        warn(f"{', '.join(pending)}: no Ready node has {max(tp, 1)} free GPUs; {later}")
     return infra.StartupInstances(
         placements=placements, total_kv_blocks=tuple(kv), max_model_len=tuple(mml),
         loaded_at_us=infra.loading_delays(placements, cluster.instance_lifecycle, cluster.seed), gpu_owner=owner)
