@@ -1,6 +1,6 @@
 """BLIS's 15 golden experiments, timed: one command, prints a table.
 
-    python benchmarks/golden.py                 # trained-physics, batched (one program, one lane per core)
+    python benchmarks/golden.py                 # trained-physics, batched (one program, each core running its share of the lanes)
     python benchmarks/golden.py --single        # one run per experiment instead
     python benchmarks/golden.py --latency-model roofline
     python benchmarks/golden.py --passes 2      # a second pass: the compiled program reused
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--reference", default=str(REFERENCE))
     parser.add_argument("--passes", type=int, default=1, help="run the 15 experiments this many times")
     args = parser.parse_args()
-    sharding.host_devices_per_core()  # batched: one lane per core, as `python -m blis_jax.golden`
+    sharding.host_devices_per_core()  # batched: one device per core, as `python -m blis_jax.golden`
     experiments = golden.load_experiments(args.reference, args.latency_model)
     print("| latency model | mode | pass | experiments | requests | wall (s) | "
           "of which workload generation (s) | simulated req/s | within tolerance | peak RSS (MiB) |")

@@ -108,7 +108,7 @@ def run_experiments(experiments: Sequence[GoldenExperiment], *, batched: bool = 
     """The `run` metrics block of each experiment (`timings`, if given, gets the seconds spent
     generating the workloads as `generate_s`). Batched: the experiments share one compiled
     program per latency-model structure (dims covering all of them) and run as lanes of the
-    sweep's batch runner, one per device at a time on CPU (see sweep/batch.py); single: one
+    sweep's batch runner, dealt to the devices (one per core on CPU, see sweep/batch.py); single: one
     `simulate_sessions` call each, with its own dims."""
     from blis_jax.engine.simulate import simulate_sessions
     from blis_jax.metrics import metrics_output
