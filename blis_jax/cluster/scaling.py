@@ -271,14 +271,7 @@ def _scale_up(ss, sp, life, m, v, count, now, ready):
         placed = on & jnp.any(fits) & (ss.next_slot < slots)
         take = free & (sp.gpu_node == node) & (jnp.cumsum(free & (sp.gpu_node == node)) <= tp) & placed
         slot = ss.next_slot
-        k = jnp.minimum(ss.loading_draws, sp.loading_delay_us.shape[0] - 1)
-        delay = sp.loading_delay_us[k]
-        here = placed & (jnp.arange(slots) == slot)
-        life = dataclasses.replace(
-            life, state=jnp.where(here, jnp.where(delay > 0, lc.LOADING, ready), life.state).astype(life.state.dtype),
-            loaded_at=jnp.where(here & (delay > 0), now + delay, life.loaded_at),
-            gpus=jnp.where(here, tp, life.gpus).astype(life.gpus.dtype),
-            gpu_owner=jnp.where(take, slot, life.gpu_owner).astype(life.gpu_owner.dtype))
+        life, here = _place(life, ss, sp, placed, slot, take, tp, now, ready)
         ss = dataclasses.replace(
             ss, seq=jnp.where(on, seq, ss.seq), next_slot=ss.next_slot + placed,
             slot_seq=jnp.where(here, seq, ss.slot_seq), slot_variant=jnp.where(here, v, ss.slot_variant),
@@ -295,6 +288,21 @@ def _scale_up(ss, sp, life, m, v, count, now, ready):
 
     ss, life, failed, first = jax.lax.fori_loop(0, slots, attempt, (ss, life, jnp.int32(0), jnp.int32(-1)))
     return ss, life, failed, first
+
+
+def _place(life: lc.Lifecycle, ss: ScalingState, sp: ScalingParams, placed, slot, take, tp, now, ready):
+    """The lifecycle after placing an instance (if `placed`) in `slot` on the GPUs `take`: Loading
+    until its `instance-loading` delay (the next run-time draw) has passed, or `ready` at once
+    without one. Returns (lifecycle, the mask of that slot)."""
+    k = jnp.minimum(ss.loading_draws, sp.loading_delay_us.shape[0] - 1)
+    delay = sp.loading_delay_us[k]
+    here = placed & (jnp.arange(life.state.shape[0]) == slot)
+    life = dataclasses.replace(
+        life, state=jnp.where(here, jnp.where(delay > 0, lc.LOADING, ready), life.state).astype(life.state.dtype),
+        loaded_at=jnp.where(here & (delay > 0), now + delay, life.loaded_at),
+        gpus=jnp.where(here, tp, life.gpus).astype(life.gpus.dtype),
+        gpu_owner=jnp.where(take, slot, life.gpu_owner).astype(life.gpu_owner.dtype))
+    return life, here
 
 
 def _provision(ss: ScalingState, sp: ScalingParams, gpu_type, failed, now) -> ScalingState:
@@ -365,14 +373,7 @@ def node_ready_event(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, no
         mine = free & (sp.gpu_node == at)
         take = mine & (jnp.cumsum(mine) <= tp) & placed
         slot, idx = ss.next_slot, ss.retry_index[jnp.minimum(i, cap - 1)]
-        k = jnp.minimum(ss.loading_draws, sp.loading_delay_us.shape[0] - 1)
-        delay = sp.loading_delay_us[k]
-        here = placed & (jnp.arange(slots) == slot)
-        life = dataclasses.replace(
-            life, state=jnp.where(here, jnp.where(delay > 0, lc.LOADING, ready), life.state).astype(life.state.dtype),
-            loaded_at=jnp.where(here & (delay > 0), now + delay, life.loaded_at),
-            gpus=jnp.where(here, tp, life.gpus).astype(life.gpus.dtype),
-            gpu_owner=jnp.where(take, slot, life.gpu_owner).astype(life.gpu_owner.dtype))
+        life, here = _place(life, ss, sp, placed, slot, take, tp, now, ready)
         last = ss.retry_len - 1
         index = ss.retry_index.at[jnp.where(placed, i, cap)].set(ss.retry_index[jnp.maximum(last, 0)], mode="drop")
         ss = dataclasses.replace(
