@@ -91,11 +91,6 @@ def read_text(path: str | Path, what: str) -> str:
     return text
 
 
-# libyaml's parser where PyYAML was built with it: the same YAML, read several times faster
-# (every CLI command reads the bundled model files to list them in its help)
-FAST_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
 def check_yaml_shape(text: str, source: str) -> None:
     """Refuse YAML nested deeper than MAX_NESTING or expanding (aliases included) to more than
     MAX_YAML_NODES nodes, from the parser's events (iterative: no recursion, no expansion)."""
@@ -103,7 +98,7 @@ def check_yaml_shape(text: str, source: str) -> None:
     stack: list[list] = []  # [node count so far, anchor name] per open collection
     depth = total = 0
     try:
-        for event in yaml.parse(text, Loader=FAST_SAFE_LOADER):
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
             if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
                 stack.append([1, event.anchor])
                 depth = max(depth, len(stack))
@@ -132,7 +127,7 @@ def check_yaml_shape(text: str, source: str) -> None:
         return  # the loader reports syntax errors with their position
 
 
-def load_yaml_text(text: str, source: str, loader: type = FAST_SAFE_LOADER) -> Any:
+def load_yaml_text(text: str, source: str, loader: type = yaml.SafeLoader) -> Any:
     """yaml.load with the shape bounds; YAML errors become one ConfigError line."""
     check_yaml_shape(text, source)
     try:
