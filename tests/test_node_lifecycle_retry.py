@@ -167,11 +167,21 @@ def test_pending_startup_instance_starts_on_the_first_provisioned_node():
     assert np.all(np.asarray(out.handled_by)[so.is_completed(status)] >= 0)
 
 
-def test_without_provisioning_nothing_is_traced():
+@pytest.mark.slow   # compiles a cluster program
+def test_without_provisioning_no_node_event_is_traced_and_the_pending_instance_never_starts(monkeypatch):
     from blis_jax.cluster import scaling
+    from blis_jax.scenario import simulate
 
-    ss = scaling.init_state(1, 4, 2, 8, np.zeros(4, np.int32))
-    assert ss.node_ready is None and ss.retry_index is None and ss.retry_len is None
+    def traced(*args, **kwargs):
+        raise AssertionError("node lifecycle traced without provision_nodes")
+
+    for name in ("node_ready_event", "next_node_ready", "node_drain_event", "next_node_drain", "nodes_drained",
+                 "_provision", "_past_provisioning"):
+        monkeypatch.setattr(scaling, name, traced)
+    jax.clear_caches()   # trace the program here, not reuse one traced before
+    out = simulate(_scenario(provision_nodes=False)).output
+    # BLIS's CLI: a startup instance that cannot be placed never starts
+    assert "instance_0" in out.instance_names and "instance_1" not in out.instance_names
 
 
 # -------------------------------------------------------------------------------- node drain
@@ -223,3 +233,27 @@ def test_node_drain_ready_to_draining_to_terminated():
     # Ready (never provisioned): ignored; p-2: Terminated when its only instance released its GPU
     assert events == [(1_000_000, "draining", "p-0"), (1_000_000, "draining", "p-1"), (1_000_000, "drained", "p-1"),
                       (1_000_000, "ignored", "p-3"), (8_000_000, "draining", "p-2"), (terminated, "drained", "p-2")]
+
+
+def test_a_node_provisioned_with_no_delay_is_still_provisioning_until_its_node_ready():
+    # two failed placements at the same µs, zero provisioning delay: node 1 was provisioned by
+    # the first (Ready at 5000 µs, its NodeReady not yet run), so the second provisions nothing
+    from blis_jax.cluster import scaling
+
+    ss = scaling.init_state(1, 4, 2, 16, np.zeros(4, np.int32))
+    ss = dataclasses.replace(ss, node_ready_at=jnp.asarray([0, 5000, INF_TIME], jnp.int64),
+                             provisioning_draws=jnp.int32(0), node_ready=jnp.asarray([True, False, False]))
+
+    class Params:  # the fields _provision reads: three nodes of one type, node 0 initial, no delay
+        node_type = jnp.zeros(3, jnp.int32)
+        node_initial = jnp.asarray([True, False, False])
+        provisioning_normals = jnp.zeros(4)
+        node_delay_std_s = jnp.zeros(3)
+        node_delay_mean_s = jnp.zeros(3)
+
+    out = scaling._provision(ss, Params, jnp.int32(0), jnp.asarray(True), jnp.int64(5000))
+    assert np.asarray(out.node_ready_at).tolist() == [0, 5000, INF_TIME]
+    # once node 1 is Ready, a failed placement provisions node 2
+    ready = dataclasses.replace(ss, node_ready=jnp.asarray([True, True, False]))
+    out = scaling._provision(ready, Params, jnp.int32(0), jnp.asarray(True), jnp.int64(5000))
+    assert np.asarray(out.node_ready_at).tolist() == [0, 5000, 5000]

@@ -38,3 +38,12 @@ def test_the_longest_lane_does_not_share_a_device_with_the_next_two():
     assert max(loads) - min(loads) <= 1.0
     first = order[:8]
     assert (0 in first) != (1 in first) and (0 in first) != (2 in first)
+
+
+def test_a_chunk_of_eight_over_two_devices_worked_by_hand():
+    # the golden set's layout (four lanes per device); works 1..8, sorted ascending as the
+    # runner's chunks are: 8→A, 7→B, 6→B (7<8), 5→A (8<13), 4→A (tie, first device), 3→B, 2→B, 1→A
+    lanes = [_Sized(float(w)) for w in range(1, 9)]
+    order = batch._deal_longest_first(lanes, list(range(8)), ndev=2, per_device=4)
+    assert order == [7, 4, 3, 0, 6, 5, 2, 1]
+    assert _loads(lanes, order, 2, 4) == [18.0, 18.0]

@@ -233,8 +233,10 @@ def actuate(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, instance_mo
 
 def byte_order_rank(ss: ScalingState, sp: ScalingParams):
     """Each slot's ID rank in byte order: `autoscale-…` IDs (by seq) before `instance_…` ones."""
-    index = jnp.where(ss.slot_seq < 0, -ss.slot_seq - 1, jnp.arange(ss.slot_seq.shape[0]))
-    return jnp.where(ss.slot_seq > 0, ss.slot_seq.astype(jnp.int64), jnp.int64(1 << 40) + sp.startup_rank[index])
+    startup = sp.startup_rank
+    if ss.retry_index is not None:  # a startup instance placed by a NodeReady retry: slot_seq = -(idx + 1)
+        startup = startup[jnp.where(ss.slot_seq < 0, -ss.slot_seq - 1, jnp.arange(ss.slot_seq.shape[0]))]
+    return jnp.where(ss.slot_seq > 0, ss.slot_seq.astype(jnp.int64), jnp.int64(1 << 40) + startup)
 
 
 def _scale_down(ss, sp, life, instance_model, instance_events, m, v, count, now):
@@ -314,7 +316,8 @@ def _provision(ss: ScalingState, sp: ScalingParams, gpu_type, failed, now) -> Sc
     replica is dropped as in BLIS, and a later scale-up places on the new node once Ready."""
     ready = ss.node_ready_at
     mine = sp.node_type == gpu_type
-    busy = jnp.any(mine & (ready > now) & (ready < INF_TIME))
+    # still Provisioning until its NodeReady event has run (a zero delay is Ready at `now`, not before)
+    busy = jnp.any(mine & (ready < INF_TIME) & ~_past_provisioning(ss))
     candidate = mine & ~sp.node_initial & (ready >= INF_TIME)
     go = failed & ~busy & jnp.any(candidate)
     node = jnp.argmax(candidate)
@@ -333,15 +336,20 @@ def _provision(ss: ScalingState, sp: ScalingParams, gpu_type, failed, now) -> Sc
 # ------------------------------------------------------------------------------- node readiness
 
 
+def _past_provisioning(ss: ScalingState):
+    """Per node: its NodeReady has run (Ready, or with node drains Draining or Terminated)."""
+    done = ss.node_ready
+    if ss.node_draining is not None:
+        done = done | ss.node_draining | (ss.node_terminated_at < INF_TIME)
+    return done
+
+
 def next_node_ready(ss: ScalingState):
     """(node, time) of the next NodeReady event: a provisioned node not yet Ready (INF_TIME
     none). Nodes Ready at the same µs go in node order (BLIS: push order, i.e. provisioning
     order; they differ only for nodes of different types provisioned at different times
     that become Ready at the same µs)."""
-    done = ss.node_ready   # Ready, or (with node drains) Draining or Terminated: past Provisioning
-    if ss.node_draining is not None:
-        done = done | ss.node_draining | (ss.node_terminated_at < INF_TIME)
-    t = jnp.where(done, INF_TIME, ss.node_ready_at)
+    t = jnp.where(_past_provisioning(ss), INF_TIME, ss.node_ready_at)
     node = jnp.argmin(t)
     return node, t[node]
 
