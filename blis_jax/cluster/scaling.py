@@ -258,7 +258,6 @@ def _scale_up(ss, sp, life, m, v, count, now, ready):
     """Place `count` (≤ 0: none) new instances of variant v, one attempt after another."""
     slots = life.state.shape[0]
     tp, gpu_type = sp.variant_tp[v], sp.variant_gpu_type[v]
-    nodes = sp.gpu_node.shape[0]
 
     def attempt(j, carry):
         ss, life, failed, first = carry
@@ -267,21 +266,12 @@ def _scale_up(ss, sp, life, m, v, count, now, ready):
         free = (life.gpu_owner < 0) & (sp.gpu_type == gpu_type)
         if ss.node_ready is not None:  # provisioning: only Ready nodes take instances
             free = free & ss.node_ready[sp.gpu_node]
-        per_node = jax.ops.segment_sum(free.astype(jnp.int32), sp.gpu_node, num_segments=nodes)
-        fits = per_node >= tp
-        node = jnp.argmax(fits)
-        placed = on & jnp.any(fits) & (ss.next_slot < slots)
-        take = free & (sp.gpu_node == node) & (jnp.cumsum(free & (sp.gpu_node == node)) <= tp) & placed
         slot = ss.next_slot
-        life, here = _place(life, ss, sp, placed, slot, take, tp, now, ready)
-        ss = dataclasses.replace(
-            ss, seq=jnp.where(on, seq, ss.seq), next_slot=ss.next_slot + placed,
-            slot_seq=jnp.where(here, seq, ss.slot_seq), slot_variant=jnp.where(here, v, ss.slot_variant),
-            loading_draws=ss.loading_draws + placed,
-            slots_full=ss.slots_full | (on & jnp.any(fits) & (ss.next_slot >= slots)),
-            full=ss.full | (placed & (ss.loading_draws >= sp.loading_delay_us.shape[0])))
+        new, life, placed, here, node, room = _place_first_fit(ss, sp, life, free, tp, on, now, ready)
+        ss = dataclasses.replace(new, seq=jnp.where(on, seq, ss.seq), slot_seq=jnp.where(here, seq, ss.slot_seq),
+                                 slot_variant=jnp.where(here, v, ss.slot_variant))
         ss = _log(ss, placed, now, LOG_PLACED, slot, m, node)
-        no_room = on & ~jnp.any(fits)
+        no_room = on & ~room
         first = jnp.where(no_room & (first < 0), ss.log_len, first)
         ss = _log(ss, no_room, now, LOG_PLACE_FAILED, -1, m, seq.astype(jnp.int64) * 65536 + v)
         if ss.node_ready_at is not None:
@@ -292,19 +282,32 @@ def _scale_up(ss, sp, life, m, v, count, now, ready):
     return ss, life, failed, first
 
 
-def _place(life: lc.Lifecycle, ss: ScalingState, sp: ScalingParams, placed, slot, take, tp, now, ready):
-    """The lifecycle after placing an instance (if `placed`) in `slot` on the GPUs `take`: Loading
-    until its `instance-loading` delay (the next run-time draw) has passed, or `ready` at once
-    without one. Returns (lifecycle, the mask of that slot)."""
-    k = jnp.minimum(ss.loading_draws, sp.loading_delay_us.shape[0] - 1)
-    delay = sp.loading_delay_us[k]
-    here = placed & (jnp.arange(life.state.shape[0]) == slot)
+def _place_first_fit(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, free, tp, on, now, ready):
+    """One placement attempt (if `on`): the first node with `tp` of the `free` GPUs takes an
+    instance in the next free slot, Loading until its `instance-loading` delay (the next
+    run-time draw) has passed, or `ready` at once without one. Returns (scaling state with the
+    slot, draw and capacity flags advanced; lifecycle; placed; the mask of its slot; the node;
+    whether any node had room)."""
+    slots, nodes, cap = life.state.shape[0], sp.gpu_node.shape[0], sp.loading_delay_us.shape[0]
+    per_node = jax.ops.segment_sum(free.astype(jnp.int32), sp.gpu_node, num_segments=nodes)
+    fits = per_node >= tp
+    node, room = jnp.argmax(fits), jnp.any(fits)
+    placed = on & room & (ss.next_slot < slots)
+    mine = free & (sp.gpu_node == node)
+    take = mine & (jnp.cumsum(mine) <= tp) & placed
+    slot = ss.next_slot
+    delay = sp.loading_delay_us[jnp.minimum(ss.loading_draws, cap - 1)]
+    here = placed & (jnp.arange(slots) == slot)
     life = dataclasses.replace(
         life, state=jnp.where(here, jnp.where(delay > 0, lc.LOADING, ready), life.state).astype(life.state.dtype),
         loaded_at=jnp.where(here & (delay > 0), now + delay, life.loaded_at),
         gpus=jnp.where(here, tp, life.gpus).astype(life.gpus.dtype),
         gpu_owner=jnp.where(take, slot, life.gpu_owner).astype(life.gpu_owner.dtype))
-    return life, here
+    ss = dataclasses.replace(
+        ss, next_slot=ss.next_slot + placed, loading_draws=ss.loading_draws + placed,
+        slots_full=ss.slots_full | (on & room & (ss.next_slot >= slots)),
+        full=ss.full | (placed & (ss.loading_draws >= cap)))
+    return ss, life, placed, here, node, room
 
 
 def _provision(ss: ScalingState, sp: ScalingParams, gpu_type, failed, now) -> ScalingState:
@@ -366,7 +369,6 @@ def node_ready_event(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, no
     (`ready`: the state without loading delay)."""
     node, _ = next_node_ready(ss)
     new = dataclasses.replace(ss, node_ready=ss.node_ready.at[node].set(True))
-    slots, nodes = life.state.shape[0], sp.gpu_node.shape[0]
     tp, cap = sp.startup_tp, ss.retry_index.shape[0]
     attempts = new.retry_len
 
@@ -374,22 +376,14 @@ def node_ready_event(ss: ScalingState, sp: ScalingParams, life: lc.Lifecycle, no
         ss, life, i = carry
         on = j < attempts
         free = (life.gpu_owner < 0) & ss.node_ready[sp.gpu_node]
-        per_node = jax.ops.segment_sum(free.astype(jnp.int32), sp.gpu_node, num_segments=nodes)
-        fits = per_node >= tp
-        at = jnp.argmax(fits)
-        placed = on & jnp.any(fits) & (ss.next_slot < slots)
-        mine = free & (sp.gpu_node == at)
-        take = mine & (jnp.cumsum(mine) <= tp) & placed
-        slot, idx = ss.next_slot, ss.retry_index[jnp.minimum(i, cap - 1)]
-        life, here = _place(life, ss, sp, placed, slot, take, tp, now, ready)
+        idx = ss.retry_index[jnp.minimum(i, cap - 1)]
+        placed_ss, life, placed, here, at, _ = _place_first_fit(ss, sp, life, free, tp, on, now, ready)
         last = ss.retry_len - 1
         index = ss.retry_index.at[jnp.where(placed, i, cap)].set(ss.retry_index[jnp.maximum(last, 0)], mode="drop")
         ss = dataclasses.replace(
-            ss, next_slot=ss.next_slot + placed, slot_seq=jnp.where(here, -(idx + 1), ss.slot_seq),
+            placed_ss, slot_seq=jnp.where(here, -(idx + 1), ss.slot_seq),
             slot_variant=jnp.where(here, sp.type_variant[sp.node_type[at]], ss.slot_variant),
-            loading_draws=ss.loading_draws + placed, retry_index=index, retry_len=ss.retry_len - placed,
-            slots_full=ss.slots_full | (on & jnp.any(fits) & (ss.next_slot >= slots)),
-            full=ss.full | (placed & (ss.loading_draws >= sp.loading_delay_us.shape[0])))
+            retry_index=index, retry_len=ss.retry_len - placed)
         return ss, life, i + (on & ~placed)
 
     # a loop of as many attempts as entries: none at the (masked) iterations without a NodeReady
