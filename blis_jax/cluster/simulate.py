@@ -661,7 +661,7 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
                           "instances' KV capacity depends on where they land); give the pools the same "
                           "gpu_memory_gib, or set --total-kv-blocks")
     if provisioning is not None:   # a pending startup instance may land on any type (§3.5)
-        provisioning["type_variant"] = _startup_variants(cluster, startup, types, variants, blocks_of)
+        provisioning["type_variant"] = _startup_variants(cluster, startup, types, variants, provisioning["startup_tp"])
     new_blocks, new_mml = next(iter(blocks_of.values()))
     first_new = startup.num_placed
     blocks = np.asarray(deployed.total_kv_blocks).copy()
@@ -684,12 +684,11 @@ def _scaling_setup(config: asc.AutoscalerConfig, cluster: ClusterConfig, startup
 
 
 def _startup_variants(cluster: ClusterConfig, startup: infra.StartupInstances, types: list, variants: list,
-                      blocks_of: dict) -> np.ndarray:
+                      tp: int) -> np.ndarray:
     """Per GPU type, the variant (type, startup TP, cost of the first pool of that type) of a
     pending startup instance placed on it at a NodeReady retry, added to `variants` when no
     placed instance has it (a variant without replicas changes no autoscaler figure). Its KV
     capacity is the new slots' (one for all): pools whose GPU memory differs are refused."""
-    tp = next(p.tp for p in startup.placements if p is not None)
     first = {}
     for pool in cluster.node_pools:
         first.setdefault(pool.gpu_type, pool)
