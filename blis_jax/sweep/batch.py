@@ -197,12 +197,13 @@ def _deal_longest_first(lanes, chunk: list[int], ndev: int, per_device: int) -> 
     to the device with the least work so far that has a free position; the rest are idle. A
     snake deal of the sorted chunk can leave one long lane on top of an even share (the golden
     set: docs/ACCURACY.md)."""
+    work = {i: lanes[i].work() for i in chunk}
     load = [0.0] * ndev
     dealt: list[list[int | None]] = [[] for _ in range(ndev)]
-    for i in sorted(chunk, key=lambda i: lanes[i].work(), reverse=True):
+    for i in sorted(chunk, key=work.__getitem__, reverse=True):
         d = min((d for d in range(ndev) if len(dealt[d]) < per_device), key=lambda d: load[d])
         dealt[d].append(i)
-        load[d] += lanes[i].work()
+        load[d] += work[i]
     return [pos for device in dealt for pos in device + [None] * (per_device - len(device))]
 
 
