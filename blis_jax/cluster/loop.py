@@ -328,7 +328,7 @@ def next_arrival(cs: ClusterState, cparams: ClusterParams, params: EngineParams,
     dispatched by the gateway (its admission time is then its routing time)."""
     if cs.gateway is not None:
         r, t_route = gw.next_to_route(cs.gateway, cparams.routing_latency_us)
-        t_route = jnp.where(t_route <= params.horizon_us, t_route, INF_TIME)
+        t_route = _by_horizon(t_route, params)
         return r, t_route, t_route
     r, t_admit, left = _arrival_cursor(cs.next_request, cparams, req)
     t_route = t_admit + cparams.routing_latency_us
@@ -352,19 +352,24 @@ def next_admission(cs: ClusterState, cparams: ClusterParams, params: EngineParam
     return r, jnp.where(left, t_admit, INF_TIME)
 
 
+def _by_horizon(t, params: EngineParams):
+    """An event time `t`, or INF_TIME when it falls after the horizon (the event never runs)."""
+    return jnp.where(t <= params.horizon_us, t, INF_TIME)
+
+
 def gateway_events(cs: ClusterState, cparams: ClusterParams, params: EngineParams, req: RequestArrays):
     """Flow control: (request and time of the next enqueue, slot and time of the next TTL
     expiry, time of the next dispatch tick); INF_TIME past the horizon or when none."""
     r, t_enqueue, left = _arrival_cursor(cs.next_admission, cparams, req)
     slot, t_expiry = gw.next_expiry(cs.gateway, cparams.gateway)
-    before = lambda t: jnp.where(t <= params.horizon_us, t, INF_TIME)  # noqa: E731
-    return r, jnp.where(left, before(t_enqueue), INF_TIME), slot, before(t_expiry), before(cs.gateway.tick_at)
+    return (r, jnp.where(left, _by_horizon(t_enqueue, params), INF_TIME), slot, _by_horizon(t_expiry, params),
+            _by_horizon(cs.gateway.tick_at, params))
 
 
 def _routing_or_transfer_time(cs: ClusterState, cparams, params, req):
     _, _, t_route = next_arrival(cs, cparams, params, req)
     _, t_done = xfer.next_done(cs.transfers)
-    return jnp.minimum(t_route, jnp.where(t_done <= params.horizon_us, t_done, INF_TIME))
+    return jnp.minimum(t_route, _by_horizon(t_done, params))
 
 
 def _gateway_time(gate):
@@ -415,20 +420,17 @@ def _redirect_event(cs: ClusterState, cd: ClusterDims, params, cparams: ClusterP
 def _scaling_times(cs: ClusterState, params):
     """(next ScalingTick, next ScaleActuation); INF_TIME past the horizon or when none."""
     _, t_act = scaling.next_actuation(cs.scaling)
-    before = lambda t: jnp.where(t <= params.horizon_us, t, INF_TIME)  # noqa: E731
-    return before(cs.scaling.next_tick), before(t_act)
+    return _by_horizon(cs.scaling.next_tick, params), _by_horizon(t_act, params)
 
 
 def _node_ready_time(cs: ClusterState, params):
     """Next NodeReady event (node provisioning); INF_TIME past the horizon or when none."""
-    _, t = scaling.next_node_ready(cs.scaling)
-    return jnp.where(t <= params.horizon_us, t, INF_TIME)
+    return _by_horizon(scaling.next_node_ready(cs.scaling)[1], params)
 
 
 def _node_drain_time(cs: ClusterState, params):
     """Next requested node drain; INF_TIME past the horizon or when none."""
-    _, t = scaling.next_node_drain(cs.scaling)
-    return jnp.where(t <= params.horizon_us, t, INF_TIME)
+    return _by_horizon(scaling.next_node_drain(cs.scaling)[1], params)
 
 
 def _scaling_tick(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, req, now, on):
@@ -726,8 +728,7 @@ def _next_prefill_time(cs: ClusterState, cparams: ClusterParams, params, req, ou
         return events.next_event(state, dataclasses.replace(req, output_len=output_len))[1]
 
     t = jax.vmap(one)(cs.instances, out_len)
-    t = jnp.min(jnp.where(lanes, t, INF_TIME))
-    return jnp.where(t <= params.horizon_us, t, INF_TIME)
+    return _by_horizon(jnp.min(jnp.where(lanes, t, INF_TIME)), params)
 
 
 def _refresh_due(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams):
@@ -810,7 +811,7 @@ def run_cluster(cd: ClusterDims, cs: ClusterState, params: EngineParams, cparams
         t_cluster = _routing_or_transfer_time(c, cparams, params, req)
         # InstanceLoaded events (past the horizon: never executed)
         t_loaded = lifecycle.next_loaded(c.lifecycle)
-        t_loaded = jnp.where(t_loaded <= params.horizon_us, t_loaded, INF_TIME)
+        t_loaded = _by_horizon(t_loaded, params)
         t_cluster = jnp.minimum(t_cluster, t_loaded)
         if cd.scaling:
             t_scaling_tick, t_act = _scaling_times(c, params)
