@@ -26,6 +26,11 @@ import pytest  # noqa: E402
 
 import blis_jax  # noqa: E402, F401
 from blis_jax import executables  # noqa: E402
+from blis_jax.cpu_backend import start_single_thread_cpu_backend  # noqa: E402
+
+# Tests run one device's programs, as `blis-jax run` does: the same one-thread execution pool
+# (cpu_backend.py), which also checks on every run of the suite that it changes no result.
+start_single_thread_cpu_backend()
 
 # XLA's persistent compilation cache, for the test session only: a module whose programs were
 # dropped (below) loads them again instead of recompiling the same program, and CI points

@@ -746,6 +746,11 @@ COMMANDS: dict[str, Callable] = {"run": cmd_run, "replay": cmd_replay, "convert"
                                  **_delegated_commands()}
 
 
+# Commands whose programs run on one device: their CPU backend gets a one-thread execution pool
+# (cpu_backend.py). Not sweep/plan (one CPU device per core), nor the commands that simulate nothing.
+ONE_DEVICE_COMMANDS = frozenset({"run", "replay", "calibrate", "fit", "sensitivity"})
+
+
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
          stderr: TextIO | None = None) -> int:
     """Entry point of `blis-jax` / `python -m blis_jax`. Returns the exit code (0 success,
@@ -767,6 +772,10 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
         from blis_jax.compile_cache import enable_compile_cache
 
         enable_compile_cache(diag)
+    if argv is None and args.command in ONE_DEVICE_COMMANDS:  # a fresh process, before JAX starts
+        from blis_jax.cpu_backend import start_single_thread_cpu_backend
+
+        start_single_thread_cpu_backend()
     try:
         _check_flag_numbers(args)
         limits.configure(getattr(args, "max_memory_gib", None))
