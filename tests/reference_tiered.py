@@ -45,6 +45,13 @@ preempted too (214 preemptions in all vs BLIS's 189, cache hit rate 0.642 vs 0.6
 BLIS (64 preemptions). Re-claiming the held prefix on a retry, reloading again on a retry, holding
 only the reloaded blocks, or reloading only into the free blocks beyond the request's own cached
 ones do not reproduce that window either (tried here; each keeps 8 of 500 requests exact).
+Closest so far (not built here): commit the reloaded prefix only when all its blocks, those in use
+by running requests included, fit in the free count, else fail holding nothing. That holds 28's
+prefix (its blocks are all free) but not 27's (64 of them shared with running requests), so 27
+re-keys its own blocks retry after retry: request 13's E2E comes within 1.4 ms of BLIS's, 27 and
+28 are admitted together 1.4 ms after BLIS's 4.182 s, G01 is untouched (no reload there fails
+that check); what it lacks is BLIS's late preemption of 26 (BLIS runs out of blocks ~10 blocks
+sooner, apparently), and it gives 108 preemptions in all.
 """
 
 from __future__ import annotations
