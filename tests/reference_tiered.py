@@ -42,16 +42,26 @@ tokens, 27 and 28 at 4.182 s in an ~18.3 ms step). With `no_rollback` the steps 
 of the run without the tier instead: holders 28, 27, then 26 starve the batch and 24 and 25 are
 preempted too (214 preemptions in all vs BLIS's 189, cache hit rate 0.642 vs 0.653). Without it
 28's reloads re-key its own blocks step after step (~250 reloads) and the steps run ~8 ms behind
-BLIS (64 preemptions). Re-claiming the held prefix on a retry, reloading again on a retry, holding
-only the reloaded blocks, or reloading only into the free blocks beyond the request's own cached
-ones do not reproduce that window either (tried here; each keeps 8 of 500 requests exact).
-Closest so far (not built here): commit the reloaded prefix only when all its blocks, those in use
-by running requests included, fit in the free count, else fail holding nothing. That holds 28's
-prefix (its blocks are all free) but not 27's (64 of them shared with running requests), so 27
-re-keys its own blocks retry after retry: request 13's E2E comes within 1.4 ms of BLIS's, 27 and
-28 are admitted together 1.4 ms after BLIS's 4.182 s, G01 is untouched (no reload there fails
-that check); what it lacks is BLIS's late preemption of 26 (BLIS runs out of blocks ~10 blocks
-sooner, apparently), and it gives 108 preemptions in all.
+BLIS (64 preemptions). Re-claiming the held prefix on a retry, reloading again on a retry (the
+whole prefix held), holding only the reloaded blocks (no reload on retries), or reloading only into
+the free blocks beyond the request's own cached ones do not reproduce that window either (tried
+here; each keeps 8 of 500 requests exact).
+Two leads (tried here, not built in):
+* Hold only the blocks the failed attempt reloaded (not the rest of its prefix), and let every
+  retry reload again past the GPU-cached prefix: the waiting request's other cached blocks are
+  then re-keyed by its own reloads retry after retry while the reloaded ones pile up held. This
+  gives BLIS's set of preempted requests in that window (26-28 only), re-admissions near BLIS's
+  (26 and 27 at 4.175 s, 28 at 4.193 s vs 4.167 and 4.182 s), and from 4.2 s the running
+  requests' E2Es within 2-3.5 ms of BLIS's; but at 4.16 s the steps run 7 ms ahead (BLIS has
+  ~100 more reloads by then), 26 fails its
+  re-admission at the step where BLIS admits it (its reload re-keys its own blocks again), and
+  over the run: 229-255 preemptions vs 189, cache hit rate 0.67-0.68 vs 0.653, KV thrashing rate
+  0.889 vs 0.881.
+* Commit the reloaded prefix only when all its blocks, those in use by running requests included,
+  fit in the free count, else fail holding nothing: 28 holds (its blocks are all free), 27 does not
+  (64 shared with running requests) and re-keys its own blocks retry after retry. Request 13's E2E
+  comes within 1.4 ms of BLIS's and 27 and 28 are admitted 1.4 ms after BLIS's 4.182 s, G01 is
+  untouched (no reload there fails that check), but 26 is never preempted (108 preemptions).
 """
 
 from __future__ import annotations
