@@ -305,7 +305,7 @@ def test_oracle_no_rollback_holds_blocks_conserved_on_g02():
         eng._step = checked_step
         res = eng.run()
         assert res.counters["completed"] == len(c.requests) and kv.ref == [0] * kv.n
-        assert (kv.reload_failures > 0) and (bool(kv.holders) is False)
+        assert kv.reload_failures > 0 and not kv.holders   # every holder was admitted in the end
         preemptions[no_rollback] = res.counters["preemption_count"]
     assert checks > 1000 and held_seen > 100
     assert preemptions[True] > 1.5 * preemptions[False]
