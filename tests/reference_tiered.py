@@ -26,8 +26,42 @@ request; found by reading BLIS's outputs, blis-features §2.10 is less precise):
   cached blocks that the reload re-keyed count as cache hits all the same.
 * Without a reload the allocation is the GPU's own.
 
-Not reproduced (G02): when the allocation fails after a reload BLIS keeps the claimed prefix
-committed to the waiting request; here nothing is claimed on failure.
+`no_rollback=True` (default off; not yet BLIS's G02, see below): when the allocation of the
+rest fails after a reload, the claimed prefix stays committed to the waiting request (refcount,
+off the free list, its hits counted), as the G02 notes describe BLIS; the request's retries then
+allocate past the blocks it holds without claiming them again, and a failed retry counts as a CPU
+miss. With the default the failed allocation claims nothing.
+
+G02 is reproduced by neither. Both are identical to BLIS up to 3.376 s, and to each other up to
+the first allocation that fails after a reload (3.777 s: request 28, just preempted, reloads one
+block into one of its own cached blocks, its prefix shrinks and the rest no longer fits). By
+4.17 s BLIS's steps run ~11 ms behind those of the run without the CPU tier (request 13's E2E;
+that run, reference_engine alone, is exact against key_outcomes.without_offload), and BLIS
+preempts only 26-28 there (24 and 25 keep their first TTFTs; 26 is back at 4.167 s with a few
+tokens, 27 and 28 at 4.182 s in an ~18.3 ms step). With `no_rollback` the steps run ~7 ms ahead
+of the run without the tier instead: holders 28, 27, then 26 starve the batch and 24 and 25 are
+preempted too (214 preemptions in all vs BLIS's 189, cache hit rate 0.642 vs 0.653). Without it
+28's reloads re-key its own blocks step after step (~250 reloads) and the steps run ~8 ms behind
+BLIS (64 preemptions). Re-claiming the held prefix on a retry, reloading again on a retry (the
+whole prefix held), holding only the reloaded blocks (no reload on retries), or reloading only into
+the free blocks beyond the request's own cached ones do not reproduce that window either (tried
+here; each keeps 8 of 500 requests exact).
+Two leads (tried here, not built in):
+* Hold only the blocks the failed attempt reloaded (not the rest of its prefix), and let every
+  retry reload again past the GPU-cached prefix: the waiting request's other cached blocks are
+  then re-keyed by its own reloads retry after retry while the reloaded ones pile up held. This
+  gives BLIS's set of preempted requests in that window (26-28 only), re-admissions near BLIS's
+  (26 and 27 at 4.175 s, 28 at 4.193 s vs 4.167 and 4.182 s), and from 4.2 s the running
+  requests' E2Es within 2-3.5 ms of BLIS's; but at 4.16 s the steps run 7 ms ahead (BLIS has
+  ~100 more reloads by then), 26 fails its
+  re-admission at the step where BLIS admits it (its reload re-keys its own blocks again), and
+  over the run: 229-255 preemptions vs 189, cache hit rate 0.67-0.68 vs 0.653, KV thrashing rate
+  0.889 vs 0.881.
+* Commit the reloaded prefix only when all its blocks, those in use by running requests included,
+  fit in the free count, else fail holding nothing: 28 holds (its blocks are all free), 27 does not
+  (64 shared with running requests) and re-keys its own blocks retry after retry. Request 13's E2E
+  comes within 1.4 ms of BLIS's and 27 and 28 are admitted 1.4 ms after BLIS's 4.182 s, G01 is
+  untouched (no reload there fails that check), but 26 is never preempted (108 preemptions).
 """
 
 from __future__ import annotations
@@ -39,8 +73,11 @@ from reference_engine import KVCache, ReferenceEngine
 
 
 class TieredKVCache(KVCache):
-    def __init__(self, total_blocks: int, block_size: int, cpu_blocks: int, reload_us: int):
+    def __init__(self, total_blocks: int, block_size: int, cpu_blocks: int, reload_us: int, no_rollback: bool = False):
         super().__init__(total_blocks, block_size)
+        self.no_rollback = no_rollback
+        self.holders: set = set()    # waiting requests holding the prefix of a failed allocation
+        self.cpu_misses = self.reload_failures = 0
         self.cpu_blocks = cpu_blocks
         self.reload_us = reload_us
         self.cpu: OrderedDict = OrderedDict()   # key -> None, least recently used first
@@ -66,7 +103,19 @@ class TieredKVCache(KVCache):
                 seen.add(h)
 
     def allocate(self, req, start, end, cached=()):
-        if self.req_blocks.get(req.request_id) is not None or end <= start:
+        rid = req.request_id
+        if rid in self.holders and end > start:
+            # a retry: the blocks it holds are the start of its cached prefix; the chunk's blocks
+            # follow them (at other token positions when the prefix grew meanwhile: unique keys)
+            gap = start - len(self.req_blocks[rid]) * self.bs
+            if gap:
+                self.req_offset[rid] = gap
+            ok = super().allocate(req, start, end, ())
+            if ok:
+                self.holders.discard(rid)
+            self.cpu_misses += not ok
+            return ok
+        if self.req_blocks.get(rid) is not None or end <= start:
             return super().allocate(req, start, end, cached)
         bs = self.bs
         n_full = req.input_len // bs
@@ -89,27 +138,44 @@ class TieredKVCache(KVCache):
         self.pending_us += reloaded * self.reload_us
         self.reloads += reloaded
         if not reloaded:
-            return super().allocate(req, start, end, cached)
+            ok = super().allocate(req, start, end, cached)
+            self.cpu_misses += not ok
+            return ok
         prefix = self.cached_blocks(req)
         m = min(len(prefix), -(-end // bs))
         s = max(start, len(prefix) * bs)
         claim = prefix[:m]
         need = (-(-(end - s) // bs) if end > s else 0) + len({b for b in claim if self.ref[b] == 0})
-        if need > len(self.free):
-            return False
+        ok = need <= len(self.free)
+        if not ok:
+            self.reload_failures += 1
+            if not self.no_rollback:
+                return False
         self.hits += lost          # the request's cached blocks the reload re-keyed count as hits all the same
+        if not ok and not claim:   # nothing to hold (the reload re-keyed the request's first block)
+            return False
         blocks = self.req_blocks[req.request_id] = []
+        if not ok:                 # no rollback: the prefix stays claimed while the request waits
+            self.req_offset[rid] = s - len(prefix) * bs
+            self._claim(blocks, claim)
+            self.holders.add(rid)
+            return False
         # a prefix past the chunk: the next chunk's blocks follow the claimed ones, at their own
         # token positions (real keys) if the chunk ends on a block boundary, else shifted (-1)
         self.req_offset[req.request_id] = (0 if end % bs == 0 else -1) if end <= s else s - len(prefix) * bs
         self._claim(blocks, claim)
         return True if end <= s else super().allocate(req, s, end, ())
 
+    def release(self, req):
+        self.holders.discard(req.request_id)
+        super().release(req)
+
 
 class TieredEngine(ReferenceEngine):
-    def __init__(self, requests, cfg, lat, cpu_blocks: int, reload_us: int, record_steps: bool = True):
+    def __init__(self, requests, cfg, lat, cpu_blocks: int, reload_us: int, record_steps: bool = True,
+                 no_rollback: bool = False):
         super().__init__(requests, cfg, lat, record_steps)
-        self.kv = TieredKVCache(cfg.total_kv_blocks, cfg.block_size, cpu_blocks, reload_us)
+        self.kv = TieredKVCache(cfg.total_kv_blocks, cfg.block_size, cpu_blocks, reload_us, no_rollback)
 
     # the reload time is added to the step; the CPU write-through runs between execution and
     # completions (blis-features §2.4)
@@ -125,6 +191,7 @@ def reload_time_us(block_size: int, bandwidth: float, base_latency: int) -> int:
     return int(base_latency) + math.ceil(block_size / bandwidth)
 
 
-def simulate_tiered(requests, cfg, lat, cpu_blocks: int, reload_us: int, record_steps: bool = True):
-    eng = TieredEngine(requests, cfg, lat, cpu_blocks, reload_us, record_steps)
+def simulate_tiered(requests, cfg, lat, cpu_blocks: int, reload_us: int, record_steps: bool = True,
+                    no_rollback: bool = False):
+    eng = TieredEngine(requests, cfg, lat, cpu_blocks, reload_us, record_steps, no_rollback)
     return eng.run(), eng.kv

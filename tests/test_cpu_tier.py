@@ -260,3 +260,73 @@ def test_a_head_blocked_on_its_adapter_counts_no_cpu_miss():
     assert bool(sim.finished(state, params, req)) and int(s.result) == 0
     assert int(s.lora_loads.sum()) >= 4 and int(s.cpu_stores) > 0   # heads waited on cold loads; blocks mirrored
     assert int(s.cpu_misses) == 0
+
+
+@needs_shared
+@pytest.mark.slow  # the eager oracle on G02, twice, checking the blocks every few steps (~20 s)
+def test_oracle_no_rollback_holds_blocks_conserved_on_g02():
+    """The eager oracle's no-rollback mode (tests/reference_tiered.py) on G02: allocations that fail
+    after a reload leave their prefix held by the waiting request; GPU blocks stay conserved
+    (every block free or referenced, each reference one entry of a running or waiting request's
+    block list, the waiting holders' included), and the holding raises preemptions over the run
+    that claims nothing on failure, as BLIS's G02 notes describe (189 vs 91 with a rollback patch)."""
+    from blis_diff import load_case
+    from reference_tiered import TieredEngine
+    from test_reference_engine import engine_config, latency_hooks
+
+    c = load_case("G02")
+    flags = c.case["other_flags"]
+    reload_us = cpu_tier.reload_time_us(c.case["block_size"], flags["kv_transfer_bandwidth"],
+                                        flags["kv_transfer_base_latency"])
+    lat = latency_hooks(c.case, [r.input_len for r in c.requests])
+    preemptions, checks, held_seen = {}, 0, 0
+    for no_rollback in (False, True):
+        eng = TieredEngine(c.requests, engine_config(c.case), lat, flags["kv_cpu_blocks"], reload_us,
+                           record_steps=False, no_rollback=no_rollback)
+        kv, step = eng.kv, eng._step
+
+        def checked_step(now, eng=eng, kv=kv, step=step):
+            nonlocal checks, held_seen
+            step(now)
+            if eng.c["step_count"] % 7:
+                return
+            refs = [0] * kv.n
+            for blocks in kv.req_blocks.values():
+                for b in blocks:
+                    refs[b] += 1
+            assert refs == kv.ref, "a block's refcount is not its entries in the requests' block lists"
+            assert set(kv.free) == {b for b in range(kv.n) if refs[b] == 0}, "free list != unreferenced blocks"
+            waiting = {r.request_id for r in eng.wait}
+            assert kv.holders <= waiting and all(kv.req_blocks[h] for h in kv.holders)
+            assert set(kv.req_blocks) <= waiting | {r.request_id for r in eng.running}
+            held_seen += len(kv.holders)
+            checks += 1
+
+        eng._step = checked_step
+        res = eng.run()
+        assert res.counters["completed"] == len(c.requests) and kv.ref == [0] * kv.n
+        assert kv.reload_failures > 0 and not kv.holders   # every holder was admitted in the end
+        preemptions[no_rollback] = res.counters["preemption_count"]
+    assert checks > 1000 and held_seen > 100
+    assert preemptions[True] > 1.5 * preemptions[False]
+
+
+@needs_shared
+@pytest.mark.slow  # the eager oracle on G02's trace (~5 s)
+def test_g02_without_the_cpu_tier_is_blis_without_offload():
+    """G02's trace without the CPU tier reproduces the BLIS run without the offload flags that G02
+    records (key_outcomes.without_offload): the base from which G02's CPU-tier divergence is
+    measured (tests/reference_tiered.py) is BLIS's."""
+    from blis_diff import load_case
+    from reference_engine import simulate
+    from test_reference_engine import engine_config, latency_hooks
+
+    c = load_case("G02")
+    want = c.case["key_outcomes"]["without_offload"]
+    res = simulate(c.requests, engine_config(c.case), latency_hooks(c.case, [r.input_len for r in c.requests]),
+                   record_steps=False)
+    done = [r for r in res.requests.values() if r["status"] == "completed"]
+    assert (len(done), res.counters["preemption_count"]) == (want["completed"], want["preemptions"])
+    assert res.counters["cache_hit_rate"] == pytest.approx(want["cache_hit_rate"], abs=1e-12)
+    assert round(np.mean([r["ttft_us"] for r in done]) / 1000, 3) == want["ttft_mean_ms"]
+    assert round(np.mean([r["e2e_us"] for r in done]) / 1000, 3) == want["e2e_mean_ms"]
