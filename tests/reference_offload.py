@@ -56,11 +56,15 @@ Known departures (first divergences):
   BLIS is not found (deferring every CPU hit two steps breaks request 59 and 40 requests
   earlier).
 * G04 request 50: its 64-block read finishes one step too early (jitter factor 1.27 drawn here,
-  BLIS needs 1.34-1.51): the count of jitter draws before it, or the ramp's depth (here: the
-  jobs in flight on the read station plus this one, at most its threads), differs.
+  BLIS needs 1.34-1.51; requests 56 and 58 are one step early too, 59 two late). At depth 1 the
+  ramp is already at its slowest, so it is the draw: the count of draws before it differs.
+  Shifting the stream by 37 draws fits the windows of the reads of requests 35, 37 and 50 (42
+  exact, hit rate 0.6684), but no mechanism for it was found; drawing when a server takes the
+  job instead of at submission gives hit rate 0.6689 and the same 39 exact.
 * Alternatives measured worse or equal on both cases: vLLM's reverse touch order, the GPU
   blocks' keys for stores, promoting the whole run from the GPU prefix's end, writes only of
-  blocks not yet on the tier, a ramp depth counting reads and writes together.
+  blocks not yet on the tier, a ramp depth counting reads and writes together, a smaller CPU
+  tier, base latency once per block of a read.
 """
 
 from __future__ import annotations
