@@ -61,6 +61,10 @@ Known departures (first divergences):
   Shifting the stream by 37 draws fits the windows of the reads of requests 35, 37 and 50 (42
   exact, hit rate 0.6684), but no mechanism for it was found; drawing when a server takes the
   job instead of at submission gives hit rate 0.6689 and the same 39 exact.
+* G03's orientation run with the CPU tier alone (case.json key_outcomes, aggregates only): BLIS
+  hit rate 0.5502, TTFT mean 29.08 ms; this model (no secondary tier) 0.5673 and 28.77 ms (with
+  every CPU hit deferred two steps: 0.5672, 29.28 ms). So BLIS keeps less on CPU than this LRU
+  does, and some (not all: G03 requests 59, 60, 77) of its CPU hits cost whole steps.
 * Alternatives measured worse or equal on both cases: vLLM's reverse touch order, the GPU
   blocks' keys for stores, promoting the whole run from the GPU prefix's end, writes only of
   blocks not yet on the tier, a ramp depth counting reads and writes together, a smaller CPU
