@@ -68,7 +68,11 @@ Known departures (first divergences):
 * Alternatives measured worse or equal on both cases: vLLM's reverse touch order, the GPU
   blocks' keys for stores, promoting the whole run from the GPU prefix's end, writes only of
   blocks not yet on the tier, a ramp depth counting reads and writes together, a smaller CPU
-  tier, base latency once per block of a read.
+  tier, base latency once per block of a read, no touch on store.
+* A reload without the legacy quirk (fresh blocks take the reloaded keys after the cached
+  prefix is claimed) with vLLM's reverse touch gives the closest aggregates (G03 hit rate
+  0.6862, E2E mean 1067.39 ms; G04 hit rate 0.6688, E2E mean 1071.48 ms) but loses G03 from
+  request 38 on (request 60 needs the quirk): the quirk is kept.
 """
 
 from __future__ import annotations
