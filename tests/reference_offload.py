@@ -133,9 +133,6 @@ class Station:
         """In-service depth a job submitted now sees: the jobs in flight and itself, at most one per server."""
         return min(sum(1 for f, _ in self.jobs if f > now) + 1, len(self.servers))
 
-    def in_flight(self, now: int) -> int:
-        return sum(1 for f, _ in self.jobs if f > now)
-
     def done(self, now: int) -> list:
         out = [p for f, p in self.jobs if f <= now]
         self.jobs = [(f, p) for f, p in self.jobs if f > now]
