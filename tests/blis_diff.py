@@ -135,7 +135,8 @@ NOT_YET_SUPPORTED = {
     # engine/cpu_tier.py: G01 is exact (tests/test_cpu_tier.py); G02 needs the no-rollback quirk
     "kv_cpu_blocks": lambda case: (CPU_TIER_GAPS.get(case["id"][:3], "the legacy CPU KV tier to match BLIS (issue #24)")
                                    if case["id"][:3] != "G01" else None),
-    "kv_offload_config": "multi-tier KV offload (issue #24)",
+    # tests/reference_offload.py is an eager reference (G03 82/600 exact, G04 39/600; aggregates within 1-5 %)
+    "kv_offload_config": "multi-tier KV offload in the engine (issue #24)",
     "encode_instances": "the encode pool (issue #24)",
 }
 

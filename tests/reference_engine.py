@@ -436,7 +436,14 @@ class ReferenceEngine:
                 st["budget"] -= 1
                 r.num_new = 1
             i += 1
-        # phase 2: new requests, head of line
+        self._admit_new(now, st)
+        return st
+
+    def _admit_new(self, now: int, st: dict) -> None:
+        """Phase 2: new requests from the wait queue, head of line."""
+        cfg = self.cfg
+        mml = cfg.max_model_len
+        C = cfg.long_prefill_token_threshold
         while (len(self.running) < cfg.max_num_seqs and self.wait and st["budget"] > 0
                and not st["preempted_flag"]):
             r = self.wait[0]
@@ -458,9 +465,8 @@ class ReferenceEngine:
             st["budget"] -= n
             r.sched_delay = now - r.arrival
             st["admitted"].append(r.request_id)
-        return st
 
-    # -- hooks for engines built on this one (tests/reference_tiered.py)
+    # -- hooks for engines built on this one (tests/reference_tiered.py, tests/reference_offload.py)
     def _extra_step_us(self) -> int:
         """Time added to the step being executed (beyond the latency model's)."""
         return 0
