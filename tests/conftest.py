@@ -28,8 +28,9 @@ import blis_jax  # noqa: E402, F401
 from blis_jax import executables  # noqa: E402
 from blis_jax.cpu_backend import start_single_thread_cpu_backend  # noqa: E402
 
-# Tests run one device's programs, as `blis-jax run` does: the same one-thread execution pool
-# (cpu_backend.py), which also checks on every run of the suite that it changes no result.
+# Tests run one device's programs, as `blis-jax run` does, so they use its one-thread execution
+# pool (cpu_backend.py): every parity test then holds under it. In-process tests therefore see one
+# CPU device; multi-device sweeps are tested in subprocesses (test_sweep.py).
 start_single_thread_cpu_backend()
 
 # XLA's persistent compilation cache, for the test session only: a module whose programs were

@@ -747,8 +747,9 @@ COMMANDS: dict[str, Callable] = {"run": cmd_run, "replay": cmd_replay, "convert"
 
 
 # Commands whose programs run on one device: their CPU backend gets a one-thread execution pool
-# (cpu_backend.py). Not sweep/plan (one CPU device per core), nor the commands that simulate nothing.
-ONE_DEVICE_COMMANDS = frozenset({"run", "replay", "calibrate", "fit", "sensitivity"})
+# (cpu_backend.py). Not sweep/plan (one CPU device per core), nor the commands that simulate nothing
+# (calibrate compares numbers on the host).
+ONE_DEVICE_COMMANDS = frozenset({"run", "replay", "fit", "sensitivity"})
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
@@ -772,14 +773,14 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
         from blis_jax.compile_cache import enable_compile_cache
 
         enable_compile_cache(diag)
-    if argv is None and args.command in ONE_DEVICE_COMMANDS:  # a fresh process, before JAX starts
-        from blis_jax.cpu_backend import start_single_thread_cpu_backend
-
-        start_single_thread_cpu_backend()
     try:
         _check_flag_numbers(args)
         limits.configure(getattr(args, "max_memory_gib", None))
         check_command_paths(args.command, args)  # no output overwrites an input or another output
+        if argv is None and args.command in ONE_DEVICE_COMMANDS:  # a fresh process, before JAX starts
+            from blis_jax.cpu_backend import start_single_thread_cpu_backend
+
+            start_single_thread_cpu_backend()
         return COMMANDS[args.command](args, stdout, stderr, diag)
     except ConfigError as e:
         stderr.write(f"{PROG} {args.command}: error: {_one_line(str(e))}\n")
