@@ -442,19 +442,12 @@ class ReferenceEngine:
     def _admit_new(self, now: int, st: dict) -> None:
         """Phase 2: new requests from the wait queue, head of line."""
         cfg = self.cfg
-        mml = cfg.max_model_len
-        C = cfg.long_prefill_token_threshold
         while (len(self.running) < cfg.max_num_seqs and self.wait and st["budget"] > 0
                and not st["preempted_flag"]):
             r = self.wait[0]
             cached = self.kv.cached_blocks(r)
             start = len(cached) * cfg.block_size
-            n = r.input_len - start
-            if 0 < C < n:
-                n = C
-            n = min(n, st["budget"])
-            if mml > 0:
-                n = min(n, max(mml - 1 - start, 0))
+            n = self._chunk_tokens(r, start, st)
             if not self.kv.allocate(r, start, start + n, cached):
                 break
             self.wait.pop(0)
@@ -465,6 +458,18 @@ class ReferenceEngine:
             st["budget"] -= n
             r.sched_delay = now - r.arrival
             st["admitted"].append(r.request_id)
+
+    def _chunk_tokens(self, r, start: int, st: dict) -> int:
+        """A new request's first chunk from token `start`: the rest of its prompt, capped by the
+        long-prefill threshold, the step's token budget and max-model-len."""
+        cfg = self.cfg
+        n = r.input_len - start
+        if 0 < cfg.long_prefill_token_threshold < n:
+            n = cfg.long_prefill_token_threshold
+        n = min(n, st["budget"])
+        if cfg.max_model_len > 0:
+            n = min(n, max(cfg.max_model_len - 1 - start, 0))
+        return n
 
     # -- hooks for engines built on this one (tests/reference_tiered.py, tests/reference_offload.py)
     def _extra_step_us(self) -> int:

@@ -82,6 +82,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from reference_engine import KVCache, ReferenceEngine
+from reference_tiered import reload_from_cpu
 
 
 
@@ -294,25 +295,8 @@ class OffloadKVCache(KVCache):
         if self.req_blocks.get(req.request_id) is not None or end <= start:
             return KVCache.allocate(self, req, start, end, cached)
         bs = self.bs
-        n_full = req.input_len // bs
-        j, reloaded, room = len(cached), 0, len(self.free)
-        own, lost = set(cached), 0
-        touched = []
-        while j < n_full and reloaded < room:
-            key = self.block_key(req, j, bs)
-            if self.cpu.get(key, -1) < 0 or key in self.by_hash:
-                break
-            b = self.free.popitem(last=False)[0]
-            lost += b in own
-            old = self.hash[b]
-            if old is not None and self.by_hash.get(old) == b:
-                del self.by_hash[old]
-            self.hash[b], self.fill[b], self.ref[b] = key, bs, 0
-            self.by_hash[key] = b
-            self.free[b] = None                      # back at the tail, refcount 0
-            touched.append(key)
-            reloaded += 1
-            j += 1
+        touched, lost = reload_from_cpu(self, req, cached, lambda key: self.cpu.get(key, -1) >= 0)
+        reloaded = len(touched)
         self.c["cpu_reloads"] += reloaded
         self.touch(touched)
         if not reloaded:
@@ -359,8 +343,6 @@ class OffloadEngine(ReferenceEngine):
         cfg = self.cfg
         kv = self.kv
         bs = cfg.block_size
-        mml = cfg.max_model_len
-        C = cfg.long_prefill_token_threshold
         i = 0
         while (len(self.running) < cfg.max_num_seqs and i < len(self.wait) and st["budget"] > 0
                and not st["preempted_flag"]):
@@ -380,12 +362,7 @@ class OffloadEngine(ReferenceEngine):
             fresh = r.promo
             r.promo = r.promo_done = False
             start = len(cached) * bs      # the chunk is sized from the GPU-cached prefix alone
-            n = r.input_len - start
-            if 0 < C < n:
-                n = C
-            n = min(n, st["budget"])
-            if mml > 0:
-                n = min(n, max(mml - 1 - start, 0))
+            n = self._chunk_tokens(r, start, st)
             if not kv.allocate(r, start, start + n, cached):
                 if fresh:
                     i += 1

@@ -72,6 +72,33 @@ from collections import OrderedDict
 from reference_engine import KVCache, ReferenceEngine
 
 
+def reload_from_cpu(kv: KVCache, req, cached, on_cpu) -> tuple[list, int]:
+    """BLIS's reload: the full prompt blocks after the GPU-cached prefix `cached` that `on_cpu`
+    holds (stopping at the first miss, or at a block the GPU has cached) go into free-list head
+    blocks (possibly re-keying the request's own cached blocks), registered as cached with
+    refcount 0 at the free list's tail. Returns the reloaded keys and how many of the request's
+    own cached blocks were re-keyed."""
+    bs = kv.bs
+    n_full = req.input_len // bs
+    j, keys, room = len(cached), [], len(kv.free)
+    own, lost = set(cached), 0
+    while j < n_full and len(keys) < room:
+        key = kv.block_key(req, j, bs)
+        if not on_cpu(key) or key in kv.by_hash:
+            break
+        b = kv.free.popitem(last=False)[0]
+        lost += b in own
+        old = kv.hash[b]
+        if old is not None and kv.by_hash.get(old) == b:
+            del kv.by_hash[old]
+        kv.hash[b], kv.fill[b], kv.ref[b] = key, bs, 0
+        kv.by_hash[key] = b
+        kv.free[b] = None                      # back at the tail, refcount 0
+        keys.append(key)
+        j += 1
+    return keys, lost
+
+
 class TieredKVCache(KVCache):
     def __init__(self, total_blocks: int, block_size: int, cpu_blocks: int, reload_us: int, no_rollback: bool = False):
         super().__init__(total_blocks, block_size)
@@ -118,23 +145,8 @@ class TieredKVCache(KVCache):
         if self.req_blocks.get(rid) is not None or end <= start:
             return super().allocate(req, start, end, cached)
         bs = self.bs
-        n_full = req.input_len // bs
-        j, reloaded, room = len(cached), 0, len(self.free)
-        own, lost = set(cached), 0
-        while j < n_full and reloaded < room:
-            key = self.block_key(req, j, bs)
-            if key not in self.cpu or key in self.by_hash:
-                break
-            b = self.free.popitem(last=False)[0]
-            lost += b in own
-            old = self.hash[b]
-            if old is not None and self.by_hash.get(old) == b:
-                del self.by_hash[old]
-            self.hash[b], self.fill[b], self.ref[b] = key, bs, 0
-            self.by_hash[key] = b
-            self.free[b] = None                      # back at the tail, refcount 0
-            reloaded += 1
-            j += 1
+        keys, lost = reload_from_cpu(self, req, cached, lambda key: key in self.cpu)
+        reloaded = len(keys)
         self.pending_us += reloaded * self.reload_us
         self.reloads += reloaded
         if not reloaded:

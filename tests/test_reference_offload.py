@@ -5,27 +5,16 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 from reference_engine import EngineConfig
 from reference_offload import OffloadConfig, OffloadEngine, Tier, service_us, simulate_offload
-from test_reference_engine import toy_latency
+from test_reference_engine import Req, toy_latency
 
 from shared_data import needs_blis_diff  # noqa: E402
 
 
-@dataclass(frozen=True)
-class Req:
-    request_id: int
-    arrival_us: int
-    input_len: int
-    output_len: int
-    deadline_us: int = 0
-    prefix_group: str = ""
-    prefix_len: int = 0
-    priority: int = 1
 
 
 BLOCK_BYTES = 1000
