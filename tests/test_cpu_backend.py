@@ -13,7 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                                reason="thread affinity needs Linux and two or more usable cores")
+                                reason="the one-thread start needs thread affinity (Linux) and two or more usable "
+                                       "cores; elsewhere it does nothing, by design")
 
 _PROBE = """
 import json, os
@@ -41,10 +42,14 @@ print(json.dumps({"before": before, "first": first, "started": started, "second"
 """
 
 
+def _env(**env) -> dict:
+    """This process's environment without its platform choice, plus `env`."""
+    base = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME")}
+    return {**base, **env}
+
+
 def _probe(**env) -> dict:
-    full = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME")}
-    full.update(env)
-    out = subprocess.run([sys.executable, "-c", _PROBE], cwd=REPO, env=full, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _PROBE], cwd=REPO, env=_env(**env), capture_output=True, text=True,
                          check=True, timeout=300)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -77,23 +82,21 @@ print(json.dumps([start_single_thread_cpu_backend(), xla_bridge.backends_are_ini
                                  {"JAX_PLATFORMS": "cpu,tpu"}, {"TPU_LIBRARY_PATH": "/nonexistent/libtpu.so"}],
                          ids=["opted-out", "accelerator-requested", "cpu-and-another", "tpu-runtime"])
 def test_left_alone_when_opted_out_or_an_accelerator_may_be_used(env):
-    full = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME")}
-    out = subprocess.run([sys.executable, "-c", _PROBE_ACCELERATOR], cwd=REPO, env={**full, **env},
+    out = subprocess.run([sys.executable, "-c", _PROBE_ACCELERATOR], cwd=REPO, env=_env(**env),
                          capture_output=True, text=True, check=True, timeout=300)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, False]   # the backend was not even started
 
 
 def test_bad_flags_are_reported_before_the_backend_starts():
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME")}
     out = subprocess.run([sys.executable, "-m", "blis_jax", "run", "--rate", "inf"], cwd=REPO,
-                         env={**env, "JAX_PLATFORMS": "cpu,tpu"}, capture_output=True, text=True, timeout=300)
+                         env=_env(JAX_PLATFORMS="cpu,tpu"), capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "--rate inf" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.slow
-def test_run_output_is_the_same_with_either_pool(tmp_path):
+def test_run_output_is_the_same_with_either_pool():
     def run(threads: str) -> bytes:
-        env = dict(os.environ, BLIS_JAX_CPU_THREADS=threads, BLIS_JAX_COMPILE_CACHE="0", JAX_PLATFORMS="cpu")
+        env = _env(BLIS_JAX_CPU_THREADS=threads, BLIS_JAX_COMPILE_CACHE="0", JAX_PLATFORMS="cpu")
         return subprocess.run([sys.executable, "-m", "blis_jax", "run", "--num-requests", "300", "--rate", "12",
                                "--num-instances", "2", "--routing-policy", "weighted"],
                               cwd=REPO, env=env, capture_output=True, check=True, timeout=900).stdout
