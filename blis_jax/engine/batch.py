@@ -151,6 +151,31 @@ def schedule_running(state: EngineState, dims: EngineDims, params: EngineParams,
     return _schedule_running_exact(state, dims, params, req, budget_left, active & ~fits)
 
 
+def first_chunk(params: EngineParams, req: RequestArrays, r, start, budget, prefilled=False):
+    """Tokens that admitting waiting request r computes in this step, from prompt token `start`
+    on (its cached prefix before it; a reserved PD decode sub-request decodes one token)."""
+    n = req.input_len[r] - start
+    cap = params.long_prefill_token_threshold
+    n = jnp.where((cap > 0) & (cap < n), cap, n)
+    n = jnp.where(prefilled, 1, n)
+    n = jnp.minimum(n, budget)
+    mml = params.max_model_len
+    return jnp.where(mml > 0, jnp.minimum(n, jnp.maximum(mml - 1 - start, 0)), n)
+
+
+def head_stays_blocked(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, budget):
+    """Phase 2 cannot admit the wait-queue head now, nor after any number of plain decode steps
+    (coast.py): its first chunk alone needs more blocks than are free. Those steps only take
+    blocks, and evicting its cached prefix only lengthens the chunk, so the check stays false
+    for the whole run. A PD decode sub-request (it starts on reserved blocks) is never blocked."""
+    if dims.transfers:
+        return jnp.asarray(False)
+    _, r, _ = waitqueue.head(state, dims)
+    n_hit, _, _ = kv.cached_blocks(state, dims, req, r)
+    n = first_chunk(params, req, r, n_hit * dims.block_size, budget)
+    return (budget <= 0) | ((n + dims.block_size - 1) // dims.block_size > state.free_count)
+
+
 def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, budget, preempted,
                   active):
     """Phase 2: admit queue heads while batch room, budget and KV blocks allow."""
@@ -176,13 +201,7 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         n_hit, cached, on_gpu = kv.cached_blocks(state, dims, req, r)
         n_hit = jnp.where(prefilled, 0, n_hit)
         start = jnp.where(prefilled, req.input_len[r], n_hit * bs)
-        n = req.input_len[r] - start
-        cap = params.long_prefill_token_threshold
-        n = jnp.where((cap > 0) & (cap < n), cap, n)
-        n = jnp.where(prefilled, 1, n)
-        n = jnp.minimum(n, budget)
-        mml = params.max_model_len
-        n = jnp.where(mml > 0, jnp.minimum(n, jnp.maximum(mml - 1 - start, 0)), n)
+        n = first_chunk(params, req, r, start, budget, prefilled)
         # BLIS quirk: a zero-token admission claims none of its cached blocks (kv.py)
         n_claim = jnp.where(n > 0, n_hit, 0)
         lora_ok = lora.resident_ready(state, req.adapter[r]) if dims.lora_slots else jnp.asarray(True)

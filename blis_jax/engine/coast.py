@@ -1,7 +1,9 @@
 """Decode runs: the steps after a step that can only repeat it, executed as one event.
 
 After a step, the next ones are plain decode steps (the same requests, one token each) as long
-as nothing can join the batch (the wait queue is empty, or the batch is at max_num_seqs), every
+as nothing can join the batch (the wait queue is empty, the batch is at max_num_seqs, or the
+queue's head needs more free KV blocks for its first chunk than there are: decode steps only
+take blocks, so it stays blocked), every
 running request is past its prompt, the batch fits the token budget, no request finishes or
 reaches max_model_len, the KV blocks they take are free (so nothing is preempted), and no other
 event that matters comes first: a timeout, the horizon, the cluster's next event, or an enqueue
@@ -27,7 +29,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from blis_jax import latency
-from blis_jax.engine import itl_log, kv
+from blis_jax.engine import batch, itl_log, kv
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import EngineParams
@@ -71,7 +73,10 @@ def _batch(state: EngineState, dims: EngineDims, params: EngineParams, req: Requ
     full = state.batch_len >= params.max_num_seqs
     t_limit = jnp.minimum(t_limit, t_enqueue) if dims.sample_wait else jnp.where(full, t_limit,
                                                                                   jnp.minimum(t_limit, t_enqueue))
-    plain = (((state.wait_len == 0) | full) & (state.batch_len > 0)
+    # A waiting request that cannot join (no room in the batch, or too few free blocks for its
+    # first chunk) leaves the steps plain; an enqueue ends the run unless the batch is full.
+    blocked = full | batch.head_stays_blocked(state, dims, params, req, params.max_num_batched_tokens - state.batch_len)
+    plain = (((state.wait_len == 0) | blocked) & (state.batch_len > 0)
              & (state.batch_len <= params.max_num_batched_tokens) & (most_steps >= 1) & (next_step < t_limit)
              & jnp.all(~valid | ((progress >= input_len) & (spare >= 0) & (spare < dims.block_size))))
     return _Batch(valid, rows, r, progress, input_len, nblocks, own_kv, spare, most_steps, t_limit, plain)
