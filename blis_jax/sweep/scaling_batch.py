@@ -15,8 +15,10 @@ when their programs' dims, pytree structures and array shapes are equal, after t
 inventories are padded to the largest (padding GPUs have no GPU type: never free for a
 placement, never counted in use). Runs that overflow a capacity are rerun, grown, as the
 single driver reruns them (first the overflowed buffers, then the autoscaler's instance
-slots); capacities never change what is simulated, so every run's output equals its own
-`simulate_cluster` run, request by request and scaling event by scaling event (tested).
+slots; the running batch starts at the sweep lanes' BATCH_START slots: an instance of an
+autoscaled cluster rarely runs more requests at once, and a loop iteration costs several
+times less at 32 slots than at 256). Capacities never change what is simulated, so every run's
+output equals its own `simulate_cluster` run, request by request and scaling event by scaling event (tested).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from blis_jax.engine.growth import Growth
 from blis_jax.engine.output import SimOutput
 from blis_jax.errors import ConfigError
 from blis_jax.scenario import ResolvedScenario
+from blis_jax.sweep.lane import BATCH_START
 
 EVENTS_PER_CHUNK = 200_000  # as simulate_cluster's default (it sizes the step log: part of the program)
 MAX_NEW_SLOTS = 64 * cluster_sim.NEW_SLOTS
@@ -154,7 +157,7 @@ class _Run:
             s.requests, s.params, s.latency_model, s.cluster, new_slots=self.new_slots, block_size=s.block_size,
             scheduler=s.scheduler, preemption_policy=s.preemption_policy, events_per_chunk=events_per_chunk,
             kv_bytes_per_token=s.kv_bytes_per_token, prefill_pool=s.prefill_pool, decode_pool=s.decode_pool,
-            startup=s.startup, hardware=s.hardware)
+            startup=s.startup, hardware=s.hardware, batch_start=BATCH_START)
 
 
 def check_batchable(scenario: ResolvedScenario, where: str = "scenario") -> None:
