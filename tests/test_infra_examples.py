@@ -1,14 +1,17 @@
 """blis-infra §7 worked examples WE-15 (GPU inventory), WE-17 (collector: per-model grouping and
-pending supply, as the tick's analysis sees it) and WE-18 (model filter and routability)."""
+pending supply, as the tick's analysis sees it, and through the loop's own collect) and WE-18
+(model filter and routability)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 
 from blis_jax.cluster import autoscaler as asc
 from blis_jax.cluster import lifecycle as lc
-from blis_jax.cluster import loop
+from blis_jax.cluster import loop, signals
 from blis_jax.cluster.node_pools import free_gpu_slots
 
 # ------------------------------------------------------------------------------ WE-15 GPU inventory
@@ -75,15 +78,61 @@ def test_we17_loading_replicas_are_pending_supply_and_a_loading_only_model_has_n
     assert only.count[MODEL_B].tolist() == [0, 0] and float(only.required[MODEL_B]) == 0.0
 
 
+# WE-17 again, through the tick's own collect: the live engine signals of each instance, the
+# snapshot refresh over the routable ones, then `collect_replicas` (16-token blocks)
+
+
+def _collect(states, models, variants, total_blocks, used_blocks, queue):
+    n = len(states)
+    zeros = jnp.zeros(n, jnp.int64)
+    engines = SimpleNamespace(   # the fields of the stacked engine states that live_signals reads
+        free_count=jnp.asarray(total_blocks, jnp.int64) - jnp.asarray(used_blocks, jnp.int64),
+        wait_len=jnp.asarray(queue, jnp.int32), batch_len=jnp.zeros(n, jnp.int32), kv_hits=zeros, kv_misses=zeros,
+        preemptions=zeros, lora_slot=jnp.zeros((n, 0), jnp.int32))
+    life = lc.make(states)
+    cp = _cparams(models, [-1], total_kv_blocks=total_blocks)
+    live = loop.live_signals(engines, cp.total_kv_blocks, 16)
+    seen = signals.refresh(signals.init_snapshot(n), live, 1_000_000, lc.routable(life)).signals
+    return loop.collect_replicas(life, jnp.asarray(variants, jnp.int32), seen, cp, 16)
+
+
+def test_we17_through_the_collect():
+    # i1, i2: modelA on (A100, 1), C 10 000 tokens; i3: modelB on (H100, 2), C 20 000, U 14 000 (KV 0.7), Q 5
+    rep = _collect([lc.ACTIVE] * 3, [MODEL_A, MODEL_A, MODEL_B], [A100_1, A100_1, H100_2], [625, 625, 1250],
+                   [0, 0, 875], [0, 0, 5])
+    assert (rep.capacity_tokens.tolist(), rep.used_tokens.tolist(), rep.queue_depth.tolist()) == (
+        [10_000, 10_000, 20_000], [0, 0, 14_000], [0, 0, 5])   # copied unchanged
+    an = analyze(rep, _params(), VARIANTS, 2)
+    assert an.count.tolist() == [[2, 0], [0, 1]]
+    assert an.supply[MODEL_B].tolist() == [0.0, 20_000 * K]
+    assert float(an.required[MODEL_B]) == 16_560 / U - 16_000
+
+
+def test_we17_loading_snapshots_through_the_collect():
+    # modelA: one Active replica (C 40 000, U 36 000); one or two Loading replicas of 10 000 tokens,
+    # whose live state is not read (a Loading instance is not routable: zero load, capacity pending)
+    def required(loading):
+        states = [lc.ACTIVE] + [lc.LOADING] * loading + [lc.TERMINATED] * (2 - loading)
+        rep = _collect(states, [MODEL_A] * 3, [A100_1] * 3, [2500, 625, 625], [2250, 300, 300], [0, 4, 4])
+        assert rep.used_tokens.tolist()[1:] == [0, 0] and rep.queue_depth.tolist()[1:] == [0, 0]
+        assert rep.loading.tolist() == [False] + [k < loading for k in range(2)]
+        return float(analyze(rep, _params(), VARIANTS, 2).required[MODEL_A])
+
+    assert required(0) == 36_000 / U - 40_000 * K == 13_000
+    assert required(1) == 13_000 - 10_000 * K == 5000
+    assert required(2) == 0.0
+
+
 # ------------------------------------------------------------------------------ WE-18 model filter
 
 
-def _cparams(instance_model, request_model):
+def _cparams(instance_model, request_model, total_kv_blocks=None):
     slots = len(instance_model)
+    blocks = jnp.full(slots, 100, jnp.int64) if total_kv_blocks is None else jnp.asarray(total_kv_blocks, jnp.int64)
     return loop.ClusterParams(active=jnp.ones(slots, bool), admission_latency_us=jnp.int64(0),
                               routing_latency_us=jnp.int64(0), prefill_role=jnp.zeros(slots, bool),
                               decode_role=jnp.ones(slots, bool), pd=None, kv_bytes_per_token=jnp.float64(0),
-                              total_kv_blocks=jnp.full(slots, 100, jnp.int64), max_model_len=jnp.zeros(slots, jnp.int64),
+                              total_kv_blocks=blocks, max_model_len=jnp.zeros(slots, jnp.int64),
                               gateway=None, instance_model=jnp.asarray(instance_model, jnp.int32),
                               request_model=jnp.asarray(request_model, jnp.int32))
 

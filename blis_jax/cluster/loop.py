@@ -433,15 +433,21 @@ def _node_drain_time(cs: ClusterState, params):
     return _by_horizon(scaling.next_node_drain(cs.scaling)[1], params)
 
 
+def collect_replicas(life: lifecycle.Lifecycle, slot_variant, seen: signals.InstanceSignals, cparams: ClusterParams,
+                     block_size: int) -> asc.Replicas:
+    """The tick's collect (blis-infra §4.3): the routable instances are replicas with the KV
+    tokens and queue of the snapshot just refreshed (`seen`); a Loading one is pending supply
+    with its configured capacity and no load."""
+    return asc.Replicas(
+        routable=lifecycle.routable(life), loading=life.state == lifecycle.LOADING, model=cparams.instance_model,
+        variant=slot_variant, capacity_tokens=seen.kv_tokens_capacity, used_tokens=seen.kv_tokens_in_use,
+        queue_depth=seen.queue_depth, pending_tokens=cparams.total_kv_blocks * block_size)
+
+
 def _scaling_tick(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, req, now, on):
     """ScalingTick: the collect reads (and refreshes) the routable instances' snapshot."""
     snapshot, _ = _cluster_router_state(cs, cd, cparams, now)
-    life = cs.lifecycle
-    replicas = asc.Replicas(
-        routable=lifecycle.routable(life), loading=life.state == lifecycle.LOADING, model=cparams.instance_model,
-        variant=cs.scaling.slot_variant, capacity_tokens=snapshot.signals.kv_tokens_capacity,
-        used_tokens=snapshot.signals.kv_tokens_in_use, queue_depth=snapshot.signals.queue_depth,
-        pending_tokens=cparams.total_kv_blocks * cd.engine.block_size)
+    replicas = collect_replicas(cs.lifecycle, cs.scaling.slot_variant, snapshot.signals, cparams, cd.engine.block_size)
     arrivals = cs.next_admission if (cd.admission_reads_state or cd.flow_control) else cs.next_request
     more_to_come = (arrivals < jnp.sum(req.valid)) | (jnp.sum(_in_flight(cs)) > 0)
     if cs.drain is not None:  # redirected requests are pending arrivals
