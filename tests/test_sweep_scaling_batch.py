@@ -56,8 +56,9 @@ def batched():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(scaling_batch, "_lane_chunk", chex.assert_max_traces(scaling_batch._lane_chunk, n=1))
         a = scaling_batch.simulate_batched(GRID_A, mode="map")
-        b = scaling_batch.simulate_batched(GRID_B, mode="map")
-    return a, b, scaling_batch.compiled_programs()
+        reports = []
+        b = scaling_batch.simulate_batched(GRID_B, mode="map", progress=lambda *report: reports.append(report))
+    return a, b, scaling_batch.compiled_programs(), reports
 
 
 def single(s):
@@ -87,6 +88,13 @@ def test_batched_runs_equal_single_runs(batched, grid):
 
 def test_other_numbers_reuse_the_compiled_program(batched):
     assert batched[2] == 1   # both grids: one program (the fixture's trace counter allows one trace)
+
+
+def test_progress_reports_the_batch_after_each_chunk(batched):
+    reports, total = batched[3], sum(len(s.requests) for s in GRID_B)
+    done, clocks = [d for d, _, _ in reports], [us for _, _, us in reports]
+    assert reports and done == sorted(done) and done[-1] == total   # every request of the batch left
+    assert {t for _, t, _ in reports} == {total} and clocks == sorted(clocks) and clocks[0] > 0
 
 
 def test_timeline_agrees_with_the_scaling_log(batched):

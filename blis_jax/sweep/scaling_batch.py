@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 import jax
@@ -123,17 +123,21 @@ def _lane(tree, b: int):
 _LOG_FIELDS = (*cluster_sim._LOG_FIELDS, "events")
 
 
-def _drive(cd, cs, inputs, readers, events_per_chunk: int, mode: str):
+def _drive(cd, cs, inputs, readers, events_per_chunk: int, mode: str, report=None):
     """Run stacked runs (leading axis B) to their ends, reading every run's ITL logs between
-    chunks: the batched `simulate._simulate_cluster_views` loop."""
+    chunks: the batched `simulate._simulate_cluster_views` loop. `report(finished requests,
+    simulated µs)` is called between chunks (over all the runs; the furthest clock)."""
     program = _program(cd, mode)
     runs, slots = len(readers), cd.num_instances
     events = np.zeros((runs, slots), np.int64)
     done = np.zeros(runs, bool)
+    fields = (*_LOG_FIELDS, "finished", "now") if report is not None else _LOG_FIELDS
     while not done.all():
         live = ~done
         cs, finished = program(cs, inputs, jnp.asarray(events + events_per_chunk, jnp.int64), jnp.asarray(done))
-        host = jax.device_get({f: getattr(cs.instances, f) for f in _LOG_FIELDS})
+        host = jax.device_get({f: getattr(cs.instances, f) for f in fields})
+        if report is not None:
+            report(int(np.sum(host["finished"])), int(np.max(host["now"])))
         for b in np.flatnonzero(live):
             for i, reader in enumerate(readers[b]):
                 reader.collect(SimpleNamespace(**{f: host[f][b, i] for f in cluster_sim._LOG_FIELDS}))
@@ -173,14 +177,15 @@ def check_batchable(scenario: ResolvedScenario, where: str = "scenario") -> None
 
 
 def simulate_batched(scenarios: Sequence[ResolvedScenario], *, events_per_chunk: int = EVENTS_PER_CHUNK,
-                     mode: str | None = None, max_batch: int | None = None, new_slots: int = cluster_sim.NEW_SLOTS
-                     ) -> list[SimOutput]:
+                     mode: str | None = None, max_batch: int | None = None, new_slots: int = cluster_sim.NEW_SLOTS,
+                     progress: Callable[[int, int, int], None] | None = None) -> list[SimOutput]:
     """Simulate autoscaled cluster scenarios that share one program's structure as batched
     calls; returns each scenario's `SimOutput`, equal to its own `simulate_cluster` run.
     `mode`: "vmap" (accelerators' default) or "map" (CPU's). Scenarios whose programs differ in
     structure run in separate batches (one per structure); `max_batch` caps the runs stacked in
     one batch (None: MAX_BATCH); `new_slots`: instance slots planned for each run's autoscaler
-    (on node pools; 4x as many on a rerun when they ran out)."""
+    (on node pools; 4x as many on a rerun when they ran out); `progress(finished, total, sim_us)`
+    is called between chunks, over the batch being run (a rerun reports from 0 again)."""
     mode = mode or default_mode()
     if mode not in ("vmap", "map"):
         raise ConfigError(f"mode must be vmap or map, got {mode!r}")
@@ -207,7 +212,9 @@ def simulate_batched(scenarios: Sequence[ResolvedScenario], *, events_per_chunk:
             cs = _stack([built[i][2] for i in members])
             inputs = _stack([built[i][3] for i in members])
             readers = [built[i][4] for i in members]
-            cs = _drive(cd, cs, inputs, readers, events_per_chunk, mode)
+            total = sum(len(runs[i].scenario.requests) for i in members)
+            report = (lambda done, sim_us: progress(done, total, sim_us)) if progress is not None else None  # noqa: E731
+            cs = _drive(cd, cs, inputs, readers, events_per_chunk, mode, report)
             host = jax.device_get(cs)
             for b, i in enumerate(members):
                 lane = _lane(host, b)
