@@ -1,7 +1,7 @@
 """Autoscaler benchmark: one command, prints figures.
 
     python benchmarks/autoscaler.py --skip-grid      # a diurnal cycle compressed into 3 minutes
-    python benchmarks/autoscaler.py --hours 24       # the real day (an accelerator's job, see below)
+    python benchmarks/autoscaler.py --hours 24 --skip-grid --passes 1   # the real day
     python benchmarks/autoscaler.py --policies 9     # part 2 with a 3x3 grid
 
 Part 1, one autoscaled cluster: 4 startup instances (Llama-3.1-8B-Instruct, H100, TP 1) on
@@ -10,8 +10,10 @@ V2 saturation analyzer ticking every 30 s with a 2-minute scale-down window and 
 loading delays, under a diurnal day: Poisson arrivals over 24 simulated hours at a rate of
 1 req/s x (1 - 0.7·cos(2π t / 24 h)) (trough 0.3 req/s at midnight, peak 1.7 req/s at noon;
 ~86k requests), Gaussian prompt (500 ± 150) and long output (4000 ± 500) lengths, and a
-KV cache of 800 blocks of 16 tokens per instance, so that about four concurrent requests
-saturate an instance and the instance count follows the load. The trough must keep requests
+KV cache of 2400 blocks of 16 tokens per instance, so that about eight requests at full length
+fill an instance and the instance count follows the load. (With 800 blocks, three requests,
+the instances thrashed: 145-271 preemptions each in the 1-minute cycle, a cluster no one would
+run, and every preemption ends a decode run.) The trough must keep requests
 in flight at every tick: BLIS's analyzer drains every instance of a model whose demand is
 zero at a tick, and never scales up from zero (the request lengths are long for that reason:
 in-flight requests per arrival rate). Reported: wall time of the first pass
@@ -21,11 +23,9 @@ the process), and the scale events (instances placed, instances drained) with th
 routable count.
 
 Cost: the cluster loop steps its 64 slots in lockstep (vmapped) whenever any instance is busy,
-so the work grows with simulated busy time / step time (~7 ms), not with the request count.
-Measured on the shared 2-core CPU box (load ~5 from other jobs): the 3-minute cycle (181
-requests) took 478 s for the first pass, compile included; 9 instances placed, 12 drained,
-peak 13 routable. A whole day is ~480x that: hours on this CPU; run it on an accelerator
-(`--hours 24`).
+so the work grows with the cluster events (arrivals, ticks) times the loop iterations between
+them (decode runs of up to 64 steps, engine/coast.py), for all 64 slots. Figures, the day
+included: docs/SWEEPS.md.
 
 Part 2, a grid of autoscaler policies on the same ramp (scale-up threshold x scale-down
 window): all policies as one batched call (`sweep/scaling_batch.simulate_batched`), against
@@ -49,6 +49,7 @@ SLOTS = 64
 STARTUP = 4
 DEPTH = 0.7
 MEAN_RATE = 1.0  # requests / s over the cycle
+KV_BLOCKS = 2400  # per instance (16-token blocks): about eight requests fill one
 
 
 def max_rss_mib() -> float:
@@ -85,7 +86,7 @@ def scenario(requests, up: float = 0.8, down_window_us: float = 120e6):
     pool = NodePool(name="h100", gpu_type="H100", gpus_per_node=8, gpu_memory_gib=80.0, initial_nodes=8,
                     max_nodes=8, cost_per_hour=4.0)
     config = ScenarioConfig(
-        deployment=Deployment(total_kv_blocks=800),
+        deployment=Deployment(total_kv_blocks=KV_BLOCKS),
         cluster=ClusterConfig(
             num_instances=STARTUP, node_pools=(pool,),
             instance_lifecycle=InstanceLifecycle(loading_delay=Delay(mean=75.0, stddev=7.5),
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hours", type=float, default=None, help="length of the diurnal cycle (default 0.05: 3 min)")
     ap.add_argument("--policies", type=int, default=None, help="grid size: 4 or 9 policies (default 4)")
     ap.add_argument("--skip-grid", action="store_true", help="part 1 only")
+    ap.add_argument("--passes", type=int, choices=(1, 2), default=2,
+                    help="part 1 once (compile included), or again on the compiled program (default)")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw the instance counts of part 1")
     args = ap.parse_args(argv)
     hours = args.hours or (1 / 60 if args.quick else 0.05)
@@ -135,18 +138,27 @@ def main(argv=None) -> int:
     base = scenario(requests)
     new = SLOTS - STARTUP
 
+    start = [time.perf_counter()]
+
+    def progress(done, total, sim_us):   # a long cycle runs for minutes: one line per chunk
+        print(f"  {done:,}/{total:,} requests finished, simulated {sim_us / 3.6e9:.2f} h, "
+              f"wall {time.perf_counter() - start[0]:.0f} s", file=sys.stderr, flush=True)
+
     def one(s):
-        return scaling_batch.simulate_batched([s], new_slots=new)[0]
+        start[0] = time.perf_counter()
+        return scaling_batch.simulate_batched([s], new_slots=new, progress=progress)[0]
 
     out, first = timed(lambda: one(base))
     assert out.result == 0, out.result
-    _, second = timed(lambda: one(base))
     placed, drained, peak = scale_events(out)
     done = int(out.completed_mask().sum())
     print(f"\n== one autoscaled cluster, {SLOTS} slots, a {hours:g} h diurnal cycle ==")
-    print(f"first pass (compile included): {first:8.1f} s")
-    print(f"second pass:                   {second:8.1f} s")
-    print(f"simulated requests / s:        {n / second:8.0f}   ({done:,} of {n:,} completed)")
+    print(f"first pass (compile included): {first:8.1f} s", flush=True)
+    if args.passes > 1:
+        _, second = timed(lambda: one(base))
+        print(f"second pass:                   {second:8.1f} s")
+    print(f"simulated requests / s:        {n / (second if args.passes > 1 else first):8.0f}   "
+          f"({done:,} of {n:,} completed; pass {args.passes})")
     print(f"peak memory (max RSS):         {max_rss_mib():8.0f} MiB")
     print(f"scale events:                  {placed} instances placed, {drained} drained; "
           f"peak {peak} routable instances")
