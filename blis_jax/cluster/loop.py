@@ -449,7 +449,8 @@ def _scaling_tick(cs: ClusterState, cd: ClusterDims, cparams: ClusterParams, req
     snapshot, _ = _cluster_router_state(cs, cd, cparams, now)
     replicas = collect_replicas(cs.lifecycle, cs.scaling.slot_variant, snapshot.signals, cparams, cd.engine.block_size)
     arrivals = cs.next_admission if (cd.admission_reads_state or cd.flow_control) else cs.next_request
-    more_to_come = (arrivals < jnp.sum(req.valid)) | (jnp.sum(_in_flight(cs)) > 0)
+    # requests are in arrival order, padding last: the cursor tells whether one is left (O(1))
+    more_to_come = _arrival_cursor(arrivals, cparams, req)[2] | (jnp.sum(_in_flight(cs)) > 0)
     if cs.drain is not None:  # redirected requests are pending arrivals
         more_to_come = more_to_come | (drain.pending(cs.drain) > 0)
     ss = scaling.tick(cs.scaling, cparams.scaling, replicas, cd.scaling_models, now, more_to_come, on)
