@@ -73,6 +73,12 @@ def run(requests, settings: dict, model, scheduler: str, coast_steps: int) -> tu
     return out, seen[-1]
 
 
+def assert_same_output(stepped: so.SimOutput, coasted: so.SimOutput) -> None:
+    for field in so.SimOutput.__dataclass_fields__:
+        a, b = np.asarray(getattr(stepped, field)), np.asarray(getattr(coasted, field))
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f"SimOutput.{field}"
+
+
 # Each scenario compiles two programs (runs off and on): slow. Every parity test of the default
 # run already runs with decode runs on against BLIS's own results.
 @pytest.mark.slow
@@ -84,9 +90,7 @@ def test_decode_runs_change_nothing(name):
     stepped, none = run(requests, settings, model, scheduler, coast_steps=1)
     coasted, some = run(requests, settings, model, scheduler, coast_steps=64)
     assert none == 0 and some > 0, (none, some)
-    for field in so.SimOutput.__dataclass_fields__:
-        a, b = np.asarray(getattr(stepped, field)), np.asarray(getattr(coasted, field))
-        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f"SimOutput.{field}"
+    assert_same_output(stepped, coasted)
     # the scenario exercises what it is meant to
     completed = np.sum(stepped.status == so.COMPLETED)
     assert completed > 0
@@ -131,7 +135,5 @@ def test_runs_past_a_blocked_head_change_nothing(name):
     finally:
         jax.clear_caches()
     assert with_rule > without, (with_rule, without)   # the rule is exercised
-    for field in so.SimOutput.__dataclass_fields__:
-        a, b = np.asarray(getattr(stepped, field)), np.asarray(getattr(coasted, field))
-        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f"SimOutput.{field}"
+    assert_same_output(stepped, coasted)
     assert stepped.preemption_count.sum() > 0 and stepped.kv_hits.sum() > 0

@@ -166,13 +166,16 @@ def first_chunk(params: EngineParams, req: RequestArrays, r, start, budget, pref
 def head_stays_blocked(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, budget):
     """Phase 2 cannot admit the wait-queue head now, nor after any number of plain decode steps
     (coast.py): its first chunk alone needs more blocks than are free. Those steps only take
-    blocks, and evicting its cached prefix only lengthens the chunk, so the check stays false
-    for the whole run. A PD decode sub-request (it starts on reserved blocks) is never blocked."""
-    if dims.transfers:
+    blocks, and evicting its cached prefix only lengthens the chunk, so the head stays blocked
+    for the whole run. Never with a PD decode sub-request (it starts on reserved blocks), a CPU
+    tier (a failed admission reloads and counts a miss) or LoRA (the gate acts on the head)."""
+    if dims.transfers or dims.cpu_blocks or dims.lora_slots:
         return jnp.asarray(False)
     _, r, _ = waitqueue.head(state, dims)
     n_hit, _, _ = kv.cached_blocks(state, dims, req, r)
     n = first_chunk(params, req, r, n_hit * dims.block_size, budget)
+    # Not admit_waiting's whole need (+ cached blocks on the free list): with the chunk capped,
+    # an eviction leaves the chunk as it is and lowers that term, so the need could fall.
     return (budget <= 0) | ((n + dims.block_size - 1) // dims.block_size > state.free_count)
 
 
