@@ -79,17 +79,24 @@ def assert_same_output(stepped: so.SimOutput, coasted: so.SimOutput) -> None:
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f"SimOutput.{field}"
 
 
+def stepped_and_coasted(case):
+    """A scenario table entry run step by step and with decode runs: (the run's inputs, stepped
+    output, coasted output, steps coasted)."""
+    kwargs, settings, kind, scheduler = case
+    inputs = (random_scenario(**kwargs), settings, latency_model(kind=kind), scheduler)
+    stepped, none = run(*inputs, coast_steps=1)
+    assert none == 0
+    coasted, some = run(*inputs, coast_steps=64)
+    return inputs, stepped, coasted, some
+
+
 # Each scenario compiles two programs (runs off and on): slow. Every parity test of the default
 # run already runs with decode runs on against BLIS's own results.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_decode_runs_change_nothing(name):
-    kwargs, settings, kind, scheduler = SCENARIOS[name]
-    requests = random_scenario(**kwargs)
-    model = latency_model(kind=kind)
-    stepped, none = run(requests, settings, model, scheduler, coast_steps=1)
-    coasted, some = run(requests, settings, model, scheduler, coast_steps=64)
-    assert none == 0 and some > 0, (none, some)
+    _, stepped, coasted, some = stepped_and_coasted(SCENARIOS[name])
+    assert some > 0
     assert_same_output(stepped, coasted)
     # the scenario exercises what it is meant to
     completed = np.sum(stepped.status == so.COMPLETED)
@@ -123,15 +130,11 @@ BLOCKED_HEAD = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BLOCKED_HEAD))
 def test_runs_past_a_blocked_head_change_nothing(name):
-    kwargs, settings, kind, scheduler = BLOCKED_HEAD[name]
-    requests = random_scenario(**kwargs)
-    model = latency_model(kind=kind)
-    stepped, _ = run(requests, settings, model, scheduler, coast_steps=1)
-    coasted, with_rule = run(requests, settings, model, scheduler, coast_steps=64)
+    inputs, stepped, coasted, with_rule = stepped_and_coasted(BLOCKED_HEAD[name])
     jax.clear_caches()   # the same dims must trace again, without the rule (and the rule back after)
     try:
         with mock.patch.object(batch, "head_stays_blocked", lambda *a, **k: jnp.asarray(False)):
-            _, without = run(requests, settings, model, scheduler, coast_steps=64)
+            _, without = run(*inputs, coast_steps=64)
     finally:
         jax.clear_caches()
     assert with_rule > without, (with_rule, without)   # the rule is exercised
