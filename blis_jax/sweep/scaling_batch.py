@@ -106,7 +106,9 @@ def pad_inventory(cs: loop.ClusterState, inputs, gpus: int):
 
 def _signature(cd, cs, inputs) -> tuple:
     leaves, tree = jax.tree.flatten((cs, inputs))
-    return cd, tree, tuple((np.shape(x), np.asarray(x).dtype.str) for x in leaves)
+    # the dtype of a device array without copying it to the host (np.asarray would)
+    return cd, tree, tuple((np.shape(x), (x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype).str)
+                           for x in leaves)
 
 
 def _stack(trees):
@@ -212,10 +214,13 @@ def simulate_batched(scenarios: Sequence[ResolvedScenario], *, events_per_chunk:
             cs = _stack([built[i][2] for i in members])
             inputs = _stack([built[i][3] for i in members])
             readers = [built[i][4] for i in members]
+            for i in members:   # the stacked copies replace the runs' own states (memory: slots × requests)
+                built[i] = (*built[i][:2], None, None, *built[i][4:])
             total = sum(len(runs[i].scenario.requests) for i in members)
             report = (lambda done, sim_us: progress(done, total, sim_us)) if progress is not None else None  # noqa: E731
             cs = _drive(cd, cs, inputs, readers, events_per_chunk, mode, report)
             host = jax.device_get(cs)
+            del cs, inputs
             for b, i in enumerate(members):
                 lane = _lane(host, b)
                 code = cluster_sim.result_code(lane)
