@@ -17,8 +17,9 @@ placement, never counted in use). Runs that overflow a capacity are rerun, grown
 single driver reruns them (first the overflowed buffers, then the autoscaler's instance
 slots; the running batch starts at the sweep lanes' BATCH_START slots: an instance of an
 autoscaled cluster rarely runs more requests at once, and a loop iteration costs several
-times less at 32 slots than at 256). Capacities never change what is simulated, so every run's
-output equals its own `simulate_cluster` run, request by request and scaling event by scaling event (tested).
+times less at 32 slots than at 256). Capacities never change what is simulated, so every
+run's output equals its own `simulate_cluster` run, request by request and scaling event by
+scaling event (tested).
 """
 
 from __future__ import annotations
