@@ -54,7 +54,7 @@ class _Batch(NamedTuple):
 
 
 def _batch(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, next_step, t_enqueue,
-           t_limit):
+           t_limit, head_blocked):
     valid = jnp.arange(dims.batch_slots) < state.batch_len
     rows = jnp.maximum(state.batch_rows, 0)
     r = jnp.maximum(state.row_req[rows], 0)
@@ -73,9 +73,9 @@ def _batch(state: EngineState, dims: EngineDims, params: EngineParams, req: Requ
     t_limit = jnp.minimum(t_limit, t_enqueue) if dims.sample_wait else jnp.where(full, t_limit,
                                                                                   jnp.minimum(t_limit, t_enqueue))
     # A waiting request that cannot join (no room in the batch, or too few free blocks for its
-    # first chunk) leaves the steps plain; an enqueue ends the run unless the batch is full.
-    blocked = full | batch.head_stays_blocked(state, dims, params, req, params.max_num_batched_tokens - state.batch_len)
-    plain = (((state.wait_len == 0) | blocked) & (state.batch_len > 0)
+    # first chunk: `head_blocked`) leaves the steps plain; an enqueue ends the run unless the
+    # batch is full.
+    plain = (((state.wait_len == 0) | full | head_blocked) & (state.batch_len > 0)
              & (state.batch_len <= params.max_num_batched_tokens) & (most_steps >= 1) & (next_step < t_limit)
              & jnp.all(~valid | ((progress >= input_len) & (spare >= 0) & (spare < dims.block_size))))
     return _Batch(valid, rows, r, progress, input_len, nblocks, own_kv, spare, most_steps, t_limit, plain)
@@ -89,17 +89,21 @@ def decode_run(state: EngineState, step_sample, dims: EngineDims, params: Engine
     the clock at the last step run, and the start of the step after it."""
 
     # A loop of at most one iteration, so that the run's work is skipped when no lane coasts.
+    # Evaluated once (the loop's cond and body see the same state): it is the costly part.
+    head_blocked = batch.head_stays_blocked(state, dims, params, req, params.max_num_batched_tokens - state.batch_len)
+
     def cond(c, ops):
-        params, req, _, next_step, t_enqueue, t_limit, active = ops
-        return active & ~c[-1] & _batch(c[0], dims, params, req, next_step, t_enqueue, t_limit).plain
+        params, req, _, next_step, t_enqueue, t_limit, active, head_blocked = ops
+        return active & ~c[-1] & _batch(c[0], dims, params, req, next_step, t_enqueue, t_limit, head_blocked).plain
 
     def body(c, ops, on):
-        params, req, model, next_step, t_enqueue, t_limit, _ = ops
-        return (*_run(c[0], dims, params, req, model, next_step, t_enqueue, t_limit, on), jnp.asarray(True))
+        params, req, model, next_step, t_enqueue, t_limit, _, head_blocked = ops
+        return (*_run(c[0], dims, params, req, model, next_step, t_enqueue, t_limit, head_blocked, on),
+                jnp.asarray(True))
 
     carry = (state, jnp.int64(0), jnp.zeros(dims.coast_steps, jnp.int64), next_step, jnp.asarray(False))
-    state, k, sample, following, _ = masked_while(cond, body, carry,
-                                                  (params, req, model, next_step, t_enqueue, t_limit, active))
+    state, k, sample, following, _ = masked_while(
+        cond, body, carry, (params, req, model, next_step, t_enqueue, t_limit, active, head_blocked))
     # The ITL samples of the run's steps: the step log stays out of loops (carrying it copies it).
     j = jnp.arange(1, dims.coast_steps + 1)
     at_step = jnp.where(j <= k, (state.steps - k + j - 1) % dims.step_log, dims.step_log)
@@ -107,9 +111,9 @@ def decode_run(state: EngineState, step_sample, dims: EngineDims, params: Engine
 
 
 def _run(state: EngineState, dims: EngineDims, params: EngineParams, req: RequestArrays, model, next_step, t_enqueue,
-         t_limit, active):
+         t_limit, head_blocked, active):
     """(state after the run, its length k, the steps' ITL samples [K], the next step's start)."""
-    b = _batch(state, dims, params, req, next_step, t_enqueue, t_limit)
+    b = _batch(state, dims, params, req, next_step, t_enqueue, t_limit, head_blocked)
     bs = dims.block_size
     # KV blocks taken by the first j steps: a request with `spare` free slots takes its blocks
     # in steps spare, spare + bs, ... (0-based), so only the per-residue counts matter.
