@@ -6,8 +6,9 @@ queue's head needs more free KV blocks for its first chunk than there are: decod
 take blocks, so it stays blocked), every running request is past its prompt, the batch fits
 the token budget, no request finishes or reaches max_model_len, the KV blocks they take are
 free (so nothing is preempted), and no other event that matters comes first: a timeout, the
-horizon, the cluster's next event, or an enqueue while the batch has room. (An enqueue into a full batch's wait queue commutes with the steps:
-it touches only the queue, so it is processed after the run, at its own time.)
+horizon, the cluster's next event, or an enqueue while the batch has room. (An enqueue into a
+full batch's wait queue commutes with the steps: it touches only the queue, so it is processed
+after the run, at its own time.)
 
 Such a run has a closed form: contexts grow by one per step, so the step times follow from the
 batch alone; each request takes a new block every `block_size` tokens, so allocations come in a
