@@ -410,6 +410,8 @@ def test_cli_fit_writes_a_loadable_coefficient_file_and_a_report(synthetic, tmp_
     (["--params", "b3", "--bounds", "b3=2:3"], r"--bounds: the start value of beta2 \(1.36253\) is outside"),
     (["--output", "/nonexistent-dir/x.yaml"], r"--output /nonexistent-dir/x\.yaml: directory"),
     (["--cv", "lomo", "--experiments", "long-prompt"], r"--cv lomo: needs at least 2 groups"),
+    (["--cv", "lomo", "--cv-jobs", "0"], r"--cv-jobs 0: must be >= 1"),
+    (["--cv-jobs", "2"], r"--cv-jobs 2: runs cross-validation folds in parallel; give --cv"),
 ])
 def test_cli_errors_are_one_clear_line(tmp_path, extra, message):
     observed = tmp_path / "observed.json"
@@ -418,6 +420,31 @@ def test_cli_errors_are_one_clear_line(tmp_path, extra, message):
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("blis-jax fit: error: ")
     assert re.search(message, err), err
+
+
+@pytest.mark.slow
+def test_cv_folds_in_worker_processes_give_the_same_figures(synthetic, tmp_path):
+    """--cv-jobs 2 runs the two leave-one-model-out folds in spawned workers (each preparing the
+    experiments again) while the main fit runs here: every fold's coefficients and held-out means
+    equal the in-process run's, and so do the tables."""
+    _, data = synthetic
+    observed = tmp_path / "observed.json"
+    observed.write_text(json.dumps(data))
+    runs = {}
+    for jobs in ("1", "2"):
+        report = tmp_path / f"report-{jobs}"
+        code, out, err = _run_cli(["fit", "--observed", str(observed), "--params", "alpha0,b1a,b3", "--outer", "1",
+                                   "--steps", "100", "--cv", "lomo", "--cv-jobs", jobs, "--report", str(report)])
+        assert code == 0, err
+        runs[jobs] = (out, json.loads((report / "report.json").read_text()))
+    (out1, rep1), (out2, rep2) = runs["1"], runs["2"]
+    assert rep1["cv"]["folds"] and rep1["cv"] == rep2["cv"]
+    assert rep1["coefficients"] == rep2["coefficients"]
+    def without_wall_time(out: str) -> str:
+        return re.sub(r" in [0-9.]+ s\b", " in - s", out)
+
+    assert without_wall_time(out1).replace("report-1", "report-2") == without_wall_time(out2)
+    assert "cross-validation (lomo)" in out1
 
 
 def test_cli_missing_observed_file(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import hashlib
 import math
 import shlex
@@ -82,6 +84,10 @@ def add_parser(sub) -> None:
     g.add_argument("--cv", choices=("loeo", "lomo"), default=None,
                    help="also cross-validate: leave one experiment out / leave one model out (one fit per fold, "
                         "the held-out experiments simulated with the fold's coefficients)")
+    g.add_argument("--cv-jobs", type=int, default=1, metavar="N",
+                   help="run the --cv folds in N worker processes, alongside the main fit in this one (default 1: "
+                        "one after another, after the main fit); the same figures. A fit simulates one experiment at a "
+                        "time on one core, so N up to the number of cores runs the folds side by side")
     g = p.add_argument_group("outputs")
     g.add_argument("--output", default=None, metavar="FILE",
                    help="write the fitted coefficients as a fits/*.yaml file (for run --coefficients)")
@@ -108,8 +114,9 @@ def _command_line(args) -> str:
     parts += ["--load-generator", args.load_generator, "--output-lengths", args.output_lengths]
     parts += ["--outer", str(args.outer), "--steps", str(args.steps), "--lr", repr(args.lr), "--trust",
               repr(args.trust), "--patience", str(args.patience), "--schedule-model", args.schedule_model]
-    for flag, value in (("--cv", args.cv), ("--output", args.output), ("--name", args.name),
-                        ("--report", args.report)):
+    if args.cv is not None:
+        parts += ["--cv", args.cv, "--cv-jobs", str(args.cv_jobs)]
+    for flag, value in (("--output", args.output), ("--name", args.name), ("--report", args.report)):
         if value is not None:
             parts += [flag, value]
     return shlex.join(parts)
@@ -127,6 +134,11 @@ def _validate(args) -> None:
         raise ConfigError(f"--steps {args.steps}: must be >= 1")
     if args.patience < 1:
         raise ConfigError(f"--patience {args.patience}: must be >= 1")
+    if args.cv_jobs < 1:
+        raise ConfigError(f"--cv-jobs {args.cv_jobs}: must be >= 1")
+    if args.cv_jobs > 1 and args.cv is None:
+        raise ConfigError(f"--cv-jobs {args.cv_jobs}: runs cross-validation folds in parallel; give --cv loeo|lomo "
+                          "too or drop it")
     for flag, value in (("--lr", args.lr), ("--trust", args.trust)):
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{flag} {value:g}: must be a number > 0")
@@ -145,15 +157,15 @@ def _validate(args) -> None:
                               "create it first")
 
 
-def _real_runs(args, start_path: Path, warn) -> list:
+def _real_runs(real_traces_dir, real_prefix, start_path: Path, warn) -> list:
     """The real runs of --real-traces that can be fitted (not overloaded), resolved with the
     start coefficients."""
     from blis_jax.fit import real_traces
 
-    if args.real_traces is None:
+    if real_traces_dir is None:
         return []
-    runs = [real_traces.load_run(f, start_path, prefix_mode=args.real_prefix, warn=warn)
-            for f in real_traces.run_folders(args.real_traces)]
+    runs = [real_traces.load_run(f, start_path, prefix_mode=real_prefix, warn=warn)
+            for f in real_traces.run_folders(real_traces_dir)]
     return [r for r in runs if not r.overloaded]
 
 
@@ -168,18 +180,14 @@ def _observations_sha256(observed, real: list) -> str:
     return h.hexdigest()
 
 
-def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
-    from blis_jax import __version__
-    from blis_jax.fit import fit as F
-    from blis_jax.fit import report as R
-    from blis_jax.fit.observed import load_observed, prediction_loss
+def _observations(observed_path, ids, real_traces_dir, real_prefix, start, warn):
+    """(the --observed file or None, its selected experiments, the fittable real runs); a real
+    run replaces the --observed experiment of the same run."""
+    from blis_jax.fit.observed import load_observed
 
-    _validate(args)
-    observed = load_observed(args.observed) if args.observed is not None else None
-    ids = None if args.experiments is None else [i.strip() for i in args.experiments.split(",") if i.strip()]
+    observed = load_observed(observed_path) if observed_path is not None else None
     selected = observed.select(ids) if observed is not None else []
-    start_path = Path(args.start)
-    real = _real_runs(args, start_path, diag.warn)
+    real = _real_runs(real_traces_dir, real_prefix, Path(start), warn)
     if real:
         from blis_jax.fit import real_traces
 
@@ -187,7 +195,44 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
         dropped = [e.id for e in selected if e.id in replaced]
         selected = [e for e in selected if e.id not in replaced]
         if dropped:
-            diag.warn(f"--real-traces replaces --observed experiment(s) {', '.join(dropped)} (the same runs)")
+            warn(f"--real-traces replaces --observed experiment(s) {', '.join(dropped)} (the same runs)")
+    return observed, selected, real
+
+
+def _prepared(selected, real, theta0, num_betas, load_generator, output_lengths, warn) -> list:
+    from blis_jax.fit import fit as F
+    from blis_jax.fit import real_traces
+
+    exps = F.prepare(selected, theta0, num_betas, load_generator=load_generator, output_lengths=output_lengths,
+                     warn=warn)
+    return exps + [real_traces.fit_observation(r) for r in real]
+
+
+def _ignore(message: str) -> None:
+    """Warnings in a cross-validation worker: the main process has printed them already."""
+
+
+def _rebuild_experiments(observed_path, ids, real_traces_dir, real_prefix, start, load_generator,
+                         output_lengths) -> list:
+    """The fit's experiments prepared again in a --cv-jobs worker process (picklable by name)."""
+    from blis_jax.fit import fit as F
+
+    _, selected, real = _observations(observed_path, ids, real_traces_dir, real_prefix, start, _ignore)
+    theta0, num_betas = F.start_vector(load_coefficients(Path(start)))
+    return _prepared(selected, real, theta0, num_betas, load_generator, output_lengths, _ignore)
+
+
+def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
+    from blis_jax import __version__
+    from blis_jax.fit import fit as F
+    from blis_jax.fit import report as R
+    from blis_jax.fit.observed import prediction_loss
+
+    _validate(args)
+    ids = None if args.experiments is None else [i.strip() for i in args.experiments.split(",") if i.strip()]
+    observed, selected, real = _observations(args.observed, ids, args.real_traces, args.real_prefix, args.start,
+                                             diag.warn)
+    start_path = Path(args.start)
     coeffs = load_coefficients(start_path)
     theta0, num_betas = F.start_vector(coeffs)
     free = F.parse_params(args.params, theta0, num_betas)
@@ -206,12 +251,20 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
     say(f"{len(selected)} experiment(s) and {len(real)} real trace(s), fitting "
         f"{', '.join(F.coefficient_label(k) for k in free)} "
         f"from {start_path}, load generator {args.load_generator}, {args.output_lengths} output lengths")
-    exps = F.prepare(selected, theta0, num_betas, load_generator=args.load_generator,
-                     output_lengths=args.output_lengths, warn=diag.warn)
-    exps += [real_traces.fit_observation(r) for r in real]
+    exps = _prepared(selected, real, theta0, num_betas, args.load_generator, args.output_lengths, diag.warn)
     sim = F.Simulator(progress=say, keep=theta0)
-    result = F.fit(exps, theta0, settings, sim, progress=say)
-    cv = F.cross_validate(exps, theta0, settings, args.cv, sim, progress=say) if args.cv else None
+    if args.cv and args.cv_jobs > 1:
+        # the folds run in worker processes; a thread here only waits for them while the main fit runs
+        rebuild = functools.partial(_rebuild_experiments, args.observed, ids, args.real_traces, args.real_prefix,
+                                    args.start, args.load_generator, args.output_lengths)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as waiter:
+            pending = waiter.submit(F.cross_validate, exps, theta0, settings, args.cv, sim,
+                                    progress=None if args.quiet else say, jobs=args.cv_jobs, rebuild=rebuild)
+            result = F.fit(exps, theta0, settings, sim, progress=say)
+            cv = pending.result()
+    else:
+        result = F.fit(exps, theta0, settings, sim, progress=say)
+        cv = F.cross_validate(exps, theta0, settings, args.cv, sim, progress=say) if args.cv else None
 
     reference = None
     if all("blis_trained_physics" in p.obs.predictions for p in exps):

@@ -669,30 +669,86 @@ def cv_groups(exps: Sequence, mode: str) -> list[tuple[str, list]]:
 
 
 def cross_validate(exps: Sequence[Prepared], theta0: np.ndarray, settings: FitSettings, mode: str,
-                   sim: Simulator, progress: Progress | None = None) -> CVResult:
-    """Fit on all but one group, evaluate the held-out group by simulation, for every group."""
+                   sim: Simulator, progress: Progress | None = None, *, jobs: int = 1,
+                   rebuild: Callable[[], list[Prepared]] | None = None) -> CVResult:
+    """Fit on all but one group, evaluate the held-out group by simulation, for every group.
+
+    ``jobs`` > 1 runs the folds in that many worker processes (spawned: each imports JAX and
+    compiles for itself); each worker prepares the experiments with ``rebuild`` (picklable, giving
+    `exps` again: a resolved scenario cannot be pickled) and prints its own progress to stderr
+    when `progress` is set. The folds are independent and deterministic, so the result is the same
+    as with ``jobs=1``, which runs them here and shares `sim`'s start-point simulations."""
     say = progress or (lambda line: None)
-    folds = []
-    held_ids: list[str] = []
-    held_start_t, held_start_e, held_fit_t, held_fit_e = [], [], [], []
     groups = cv_groups(exps, mode)
-    for g, (name, held) in enumerate(groups):
-        train = [p for p in exps if p not in held]
-        say(f"cv {mode} fold {g + 1}/{len(groups)}: holding out {name} ({len(held)} experiment(s))")
-        r = fit(train, theta0, settings, sim, progress, label=f"cv {g + 1}/{len(groups)}")
-        start_ev, _ = evaluate(held, theta0, sim, with_trace=False)
-        fitted_ev, _ = evaluate(held, r.theta, sim, with_trace=False)
-        folds.append(CVFold(held_out=tuple(p.id for p in held), group=name, train_start_loss=r.start.loss,
-                            train_fitted_loss=r.best.loss, theta=r.theta, start=start_ev, fitted=fitted_ev))
-        held_ids += [p.id for p in held]
-        held_start_t += list(start_ev.ttft_ms)
-        held_start_e += list(start_ev.e2e_ms)
-        held_fit_t += list(fitted_ev.ttft_ms)
-        held_fit_e += list(fitted_ev.e2e_ms)
-        say(f"cv {mode} fold {g + 1}/{len(groups)}: train loss {r.start.loss:.3f}% → {r.best.loss:.3f}%, held-out "
-            f"loss {start_ev.loss:.3f}% → {fitted_ev.loss:.3f}%")
+    if jobs < 1:
+        raise ConfigError(f"cross-validation jobs = {jobs}: must be >= 1")
+    if jobs == 1:
+        folds = [_cv_fold(exps, groups, g, theta0, settings, mode, sim, say) for g in range(len(groups))]
+    else:
+        if rebuild is None:
+            raise ValueError("cross_validate(jobs > 1) needs `rebuild`, which prepares the experiments in a worker")
+        folds = _cv_folds_in_workers(rebuild, len(groups), theta0, settings, mode, jobs, say,
+                                     verbose=progress is not None)
+    held_ids = [i for f in folds for i in f.held_out]
     order = {p.id: p for p in exps}
     held = [order[i] for i in held_ids]
+
+    def column(ev: str, what: str) -> list[float]:
+        return [float(v) for f in folds for v in getattr(getattr(f, ev), what)]
+
     return CVResult(mode=mode, folds=folds,
-                    start=evaluation(theta0, held, held_start_t, held_start_e),
-                    fitted=evaluation(np.full(NUM_COEFFS, np.nan), held, held_fit_t, held_fit_e))
+                    start=evaluation(theta0, held, column("start", "ttft_ms"), column("start", "e2e_ms")),
+                    fitted=evaluation(np.full(NUM_COEFFS, np.nan), held, column("fitted", "ttft_ms"),
+                                      column("fitted", "e2e_ms")))
+
+
+def _cv_fold(exps: Sequence[Prepared], groups: list[tuple[str, list]], g: int, theta0: np.ndarray,
+             settings: FitSettings, mode: str, sim: Simulator, say: Progress) -> CVFold:
+    """Fold g: fit on every experiment outside group g, simulate group g at the start and fitted θ."""
+    name, held = groups[g]
+    train = [p for p in exps if p not in held]
+    say(f"cv {mode} fold {g + 1}/{len(groups)}: holding out {name} ({len(held)} experiment(s))")
+    r = fit(train, theta0, settings, sim, say, label=f"cv {g + 1}/{len(groups)}")
+    start_ev, _ = evaluate(held, theta0, sim, with_trace=False)
+    fitted_ev, _ = evaluate(held, r.theta, sim, with_trace=False)
+    say(f"cv {mode} fold {g + 1}/{len(groups)}: train loss {r.start.loss:.3f}% → {r.best.loss:.3f}%, held-out "
+        f"loss {start_ev.loss:.3f}% → {fitted_ev.loss:.3f}%")
+    return CVFold(held_out=tuple(p.id for p in held), group=name, train_start_loss=r.start.loss,
+                  train_fitted_loss=r.best.loss, theta=r.theta, start=start_ev, fitted=fitted_ev)
+
+
+def _cv_folds_in_workers(rebuild: Callable[[], list[Prepared]], count: int, theta0: np.ndarray,
+                         settings: FitSettings, mode: str, jobs: int, say: Progress, *,
+                         verbose: bool) -> list[CVFold]:
+    import concurrent.futures
+    import multiprocessing
+
+    # spawn, not fork: a forked child of a process that has started XLA's threads can deadlock
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, count), mp_context=context) as pool:
+        futures = {pool.submit(_cv_fold_in_worker, rebuild, g, theta0, settings, mode, verbose): g
+                   for g in range(count)}
+        folds: dict[int, CVFold] = {}
+        for done in concurrent.futures.as_completed(futures):
+            g = futures[done]
+            folds[g] = done.result()
+            say(f"cv {mode}: fold {g + 1}/{count} ({folds[g].group}) done, {len(folds)} of {count}")
+    return [folds[g] for g in range(count)]
+
+
+def _cv_fold_in_worker(rebuild: Callable[[], list[Prepared]], g: int, theta0: np.ndarray, settings: FitSettings,
+                       mode: str, verbose: bool) -> CVFold:
+    import sys
+
+    from blis_jax.cpu_backend import start_single_thread_cpu_backend
+
+    start_single_thread_cpu_backend()   # as the CLI does for `fit`: a fresh process, one device
+
+    def say(line: str) -> None:
+        sys.stderr.write(f"blis-jax: [fold {g + 1}] {line}\n")
+        sys.stderr.flush()
+
+    exps = rebuild()
+    progress = say if verbose else (lambda line: None)
+    sim = Simulator(progress=say if verbose else None, keep=theta0)
+    return _cv_fold(exps, cv_groups(exps, mode), g, theta0, settings, mode, sim, progress)
