@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from blis_jax.config.coefficients import BLIS_FIT
 from blis_jax.errors import ConfigError, SimulationFailed
 from blis_jax.scenario import Deployment, EngineSettings, ResolvedScenario, ScenarioConfig, SpecWorkload
 from blis_jax.scenario import resolve as resolve_scenario
@@ -92,7 +93,9 @@ def scenario_config(exp: GoldenExperiment) -> ScenarioConfig:
     spec's own seed is used (BLIS's precedence)."""
     return ScenarioConfig(
         deployment=Deployment(model=exp.model, hardware=exp.hardware, tp=exp.tp, latency_model=exp.latency_model,
-                              total_kv_blocks=exp.total_kv_blocks),
+                              total_kv_blocks=exp.total_kv_blocks,
+                              # BLIS ran its golden experiments with its own coefficients
+                              coefficients=BLIS_FIT if exp.latency_model == "trained-physics" else None),
         engine=EngineSettings(max_num_seqs=exp.max_num_seqs, max_num_batched_tokens=exp.max_num_batched_tokens),
         workload=SpecWorkload(spec=exp.workload))
 

@@ -3,7 +3,9 @@
 import dataclasses
 import json
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -19,8 +21,10 @@ from blis_jax.config import (
     load_gpu,
     load_model,
 )
+from blis_jax.config import coefficients
 from blis_jax.config.model import MODELS_DIR, arch_to_dict
 from blis_jax.errors import ConfigError
+from blis_jax.latency import build_latency_model
 
 from shared_data import BLIS_REF as REF  # noqa: E402
 from shared_data import needs_blis_ref as needs_ref  # noqa: E402
@@ -335,8 +339,8 @@ def test_missing_model_paths(tmp_path):
 # --------------------------------------------------------------------------- coefficients
 
 
-def test_default_coefficients_are_iter29():
-    c = load_coefficients()
+def test_blis_coefficients_are_iter29():
+    c = load_coefficients("iter29")
     # spec latency-models §2.3 / §2.4 (defaults.yaml iter29)
     assert c.alpha == (15563.199579, 777.3455, 45.907545)
     assert c.beta == (
@@ -355,13 +359,40 @@ def test_default_coefficients_are_iter29():
     assert "defaults.yaml" in c.provenance["source"]
     assert c.provenance["loss"]["reported_pct"] == 34.5675
     assert c.provenance["fitted"]
+    assert Path(c.provenance["path"]) == coefficients.BLIS_FIT
 
 
 @needs_ref
-def test_default_coefficients_match_reference_defaults():
+def test_blis_coefficients_match_reference_defaults():
     ref = yaml.safe_load((REF / "defaults.yaml").read_text())["trained_physics_coefficients"]
-    c = load_coefficients()
+    c = load_coefficients(coefficients.BLIS_FIT)
     assert list(c.alpha) == ref["alpha_coeffs"] and list(c.beta) == ref["beta_coeffs"]
+
+
+def test_the_default_is_the_open_loop_lag_fit_unless_the_environment_names_another(monkeypatch):
+    monkeypatch.delenv(coefficients.DEFAULT_ENV_VAR, raising=False)
+    default = load_coefficients()
+    assert Path(default.provenance["path"]).name == "trained-physics-fit-trainval15-open-loop-lag.yaml"
+    assert len(default.alpha) == 4 and default.alpha[3] > 0          # the first-token lag
+    # a scenario without coefficients resolves the default, and follows the environment
+    built = build_latency_model("trained-physics", load_model("meta-llama/llama-3.1-8b-instruct"), load_gpu("H100"))
+    np.testing.assert_array_equal(np.asarray(built.alpha), default.alpha)
+    monkeypatch.setenv(coefficients.DEFAULT_ENV_VAR, "iter29")
+    built = build_latency_model("trained-physics", load_model("meta-llama/llama-3.1-8b-instruct"), load_gpu("H100"))
+    np.testing.assert_array_equal(np.asarray(built.alpha), list(load_coefficients("iter29").alpha) + [0.0])
+    monkeypatch.setenv(coefficients.DEFAULT_ENV_VAR, "iter30")
+    with pytest.raises(ConfigError, match=r"\$BLIS_JAX_COEFFICIENTS: coefficient file 'iter30' does not exist; give "
+                                          r"a coefficient YAML or a shipped name \(.*trained-physics-iter29"):
+        load_coefficients()
+
+
+def test_shipped_coefficients_by_name():
+    for name in coefficients.shipped_names():
+        assert load_coefficients(name).provenance["path"] == str(coefficients.FITS_DIR / f"{name}.yaml")
+    assert load_coefficients("fit-trainval15-open-loop") == load_coefficients(
+        coefficients.FITS_DIR / "trained-physics-fit-trainval15-open-loop.yaml")
+    with pytest.raises(ConfigError, match=r"coefficient file 'nope.yaml' does not exist"):
+        load_coefficients("nope.yaml")
 
 
 def test_coefficient_file_validation(tmp_path):

@@ -247,9 +247,10 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--beta-coeffs", default=None, metavar="B0,...",
                    help="trained-physics beta coefficients, comma-separated (7 to 11 values); "
                         "give together with --alpha-coeffs")
-    g.add_argument("--coefficients", default=None, metavar="FILE",
-                   help="blis-jax extension: coefficient YAML (keys alpha, beta; e.g. fits/*.yaml) "
-                        "for trained-physics, instead of --alpha-coeffs/--beta-coeffs")
+    g.add_argument("--coefficients", default=None, metavar="FILE|NAME",
+                   help="blis-jax extension: coefficient YAML (keys alpha, beta) or a shipped set by name "
+                        "for trained-physics, instead of --alpha-coeffs/--beta-coeffs (default: "
+                        "fit-trainval15-open-loop-lag, or $BLIS_JAX_COEFFICIENTS; BLIS's: iter29)")
     g.add_argument("--max-model-len", type=int, default=0, metavar="TOKENS",
                    help="maximum sequence length (default 0: max_position_embeddings with rope "
                         "scaling, capped at total KV blocks × block size)")

@@ -10,7 +10,7 @@ import shlex
 from pathlib import Path
 from typing import TextIO
 
-from blis_jax.config.coefficients import DEFAULT_FIT, load_coefficients
+from blis_jax.config.coefficients import BLIS_FIT, load_coefficients
 from blis_jax.errors import ConfigError
 
 LOAD_GENERATORS = ("blis", "open-loop")   # = fit.LOAD_GENERATORS (not imported: keeps the CLI free of jax)
@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
     g.add_argument("--real-prefix", choices=("prompt", "system", "none"), default="prompt",
                    help="prefix groups for the prompts the real server cached (default: prompt; see "
                         "docs/ACCURACY.md)")
-    g.add_argument("--start", default=str(DEFAULT_FIT), metavar="FILE",
+    g.add_argument("--start", default=str(BLIS_FIT), metavar="FILE",
                    help="start coefficients, a fits/*.yaml file with 10 or 11 betas (default: the shipped "
                         "fits/trained-physics-iter29.yaml)")
     g.add_argument("--experiments", default=None, metavar="ID,...",

@@ -5,6 +5,7 @@ Pure Python, no jax. `blis_jax.latency.build_latency_model` turns them into arra
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,13 @@ from blis_jax.errors import ConfigError
 from blis_jax.io_safety import short
 
 FITS_DIR = bundled_dir("fits")
-DEFAULT_FIT = FITS_DIR / "trained-physics-iter29.yaml"
+# BLIS's own trained-physics coefficients (its defaults.yaml): what every BLIS reference output used.
+BLIS_FIT = FITS_DIR / "trained-physics-iter29.yaml"
+# The default, chosen by leave-one-model-out over the 15 observed experiments (docs/FITTING.md).
+DEFAULT_FIT = FITS_DIR / "trained-physics-fit-trainval15-open-loop-lag.yaml"
+# A coefficient file or shipped name that replaces DEFAULT_FIT for every command (e.g. `iter29`,
+# for BLIS's outputs without --coefficients on each command).
+DEFAULT_ENV_VAR = "BLIS_JAX_COEFFICIENTS"
 
 BLIS_NUM_ALPHA = 3  # BLIS's alpha: queueing, post-decode, per output token
 NUM_ALPHA = 4  # plus blis-jax's optional alpha[3], the first-token lag (see check_alpha)
@@ -100,14 +107,42 @@ def check_beta(beta: Any, min_len: int = MIN_BETA) -> tuple[float, ...]:
     return values
 
 
-def load_coefficients(path: str | Path | None = None) -> Coefficients:
-    """Read a coefficient YAML (keys ``alpha``, ``beta``, anything else is provenance).
+def shipped_names() -> list[str]:
+    """Names of the shipped coefficient files (`iter29` = `trained-physics-iter29`)."""
+    return sorted(p.stem for p in FITS_DIR.glob("*.yaml"))
 
-    ``None`` loads the shipped default, ``fits/trained-physics-iter29.yaml``.
-    """
-    path = Path(path) if path is not None else DEFAULT_FIT
-    if not path.is_file():
-        raise ConfigError(f"coefficient file {str(path)!r} does not exist")
+
+def coefficient_path(name_or_path: str | Path) -> Path:
+    """An existing file as given, else a shipped file by name: ``fits/NAME.yaml`` or
+    ``fits/trained-physics-NAME.yaml`` (so ``iter29`` is BLIS's coefficients)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    text = str(name_or_path)
+    if "/" not in text and not text.endswith((".yaml", ".yml")):
+        for candidate in (FITS_DIR / f"{text}.yaml", FITS_DIR / f"trained-physics-{text}.yaml"):
+            if candidate.is_file():
+                return candidate
+    raise ConfigError(f"coefficient file {text!r} does not exist; give a coefficient YAML or a shipped name "
+                      f"({', '.join(shipped_names())}, or iter29 for BLIS's)")
+
+
+def default_coefficient_path() -> Path:
+    """DEFAULT_FIT, or the file or name in $BLIS_JAX_COEFFICIENTS."""
+    override = os.environ.get(DEFAULT_ENV_VAR, "").strip()
+    if not override:
+        return DEFAULT_FIT
+    try:
+        return coefficient_path(override)
+    except ConfigError as e:
+        raise ConfigError(f"${DEFAULT_ENV_VAR}: {e}") from None
+
+
+def load_coefficients(path: str | Path | None = None) -> Coefficients:
+    """Read a coefficient YAML (keys ``alpha``, ``beta``, anything else is provenance), by
+    path or shipped name (`coefficient_path`); ``None`` loads the default
+    (`default_coefficient_path`)."""
+    path = coefficient_path(path) if path is not None else default_coefficient_path()
     try:
         data = read_yaml_file(path)
     except yaml.YAMLError as e:

@@ -216,10 +216,16 @@ def build_latency_model(
 ) -> LatencyModel:
     """Turn validated config objects into a `LatencyModel`.
 
-    Trained-physics defaults to ``fits/trained-physics-iter29.yaml`` for a missing alpha
-    or beta; roofline defaults alpha to zeros and takes no beta. Equal arguments give the same
-    (immutable) model: a sweep builds it once, not once per scenario.
+    Trained-physics takes a missing alpha or beta from the default coefficient file
+    (`config.coefficients.default_coefficient_path`); roofline defaults alpha to zeros and takes no
+    beta. Equal arguments give the same (immutable) model: a sweep builds it once, not once per
+    scenario.
     """
+    if kind == "trained-physics" and (alpha is None or beta is None):
+        # resolved before the cache: the default can change ($BLIS_JAX_COEFFICIENTS)
+        default = load_coefficients()
+        alpha = default.alpha if alpha is None else alpha
+        beta = default.beta if beta is None else beta
     args = (kind, arch, gpu, tp, None if alpha is None else tuple(alpha), None if beta is None else tuple(beta),
             dp, moe_backend)
     # types too: True == 1 == 1.0, but only some of them are valid
@@ -245,10 +251,6 @@ def _build_latency_model(kind, arch, gpu, tp, alpha, beta, dp, moe_backend) -> L
     moe_comm = _moe_family(moe_backend)
 
     if kind == "trained-physics":
-        if alpha is None or beta is None:
-            default = load_coefficients()
-            alpha = default.alpha if alpha is None else alpha
-            beta = default.beta if beta is None else beta
         alpha, beta = check_alpha(alpha), check_beta(beta)
         for label, heads in (("num_heads", arch.num_heads), ("num_kv_heads", arch.num_kv_heads)):
             if heads % tp:

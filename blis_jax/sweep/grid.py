@@ -40,9 +40,10 @@ from blis_jax.workload.spec import load_yaml
 TOP_KEYS = ("base", "axes", "scenarios", "plots")
 PLOT_KEYS = ("metric", "x", "lines")
 # Settings that name files: a relative path is relative to the grid file.
-PATH_SETTINGS = ("workload-spec", "coefficients")
-# Settings that may name a file or a bundled id: relative to the grid file when that file exists.
-MAYBE_PATH_SETTINGS = ("model", "hardware")
+PATH_SETTINGS = ("workload-spec",)
+# Settings that may name a file or a bundled id (a shipped coefficient set by name): relative to the
+# grid file when that file exists.
+MAYBE_PATH_SETTINGS = ("model", "hardware", "coefficients")
 
 
 @dataclasses.dataclass(frozen=True)
