@@ -447,16 +447,22 @@ def test_gradients_in_max_mode_match_central_differences():
 
 def test_jit_equals_eager():
     feats = _mixed_batch()
+    lagged = load_coefficients("fit-trainval15-open-loop-lag")   # with the first-token lag α₃
     for model in (
         _scout_dp2(),
+        with_coefficients(_scout_dp2(), alpha=lagged.alpha, beta=lagged.beta),
         build_latency_model("roofline", load_model(SCOUT), load_gpu("H100"), 2),
     ):
-        eager = (latency.step_time_float(model, feats), latency.step_time_us(model, feats))
-        jitted = eqx.filter_jit(
-            lambda m, f: (latency.step_time_float(m, f), latency.step_time_us(m, f))
-        )(model, feats)
+        def times(m, f):
+            step = latency.step_time_float(m, f)
+            return (step, latency.step_time_us(m, f), latency.first_token_lag_float(m, step),
+                    latency.first_token_lag_us(m, step))
+
+        eager = times(model, feats)
+        jitted = eqx.filter_jit(times)(model, feats)
         chex.assert_trees_all_close(eager, jitted, rtol=1e-14)
-        assert int(eager[1]) == int(jitted[1])
+        assert int(eager[1]) == int(jitted[1]) and int(eager[3]) == int(jitted[3])
+    assert float(times(with_coefficients(_scout_dp2(), alpha=lagged.alpha, beta=lagged.beta), feats)[2]) > 0
 
 
 def test_vmap_over_coefficient_sets_equals_loop():
@@ -464,11 +470,19 @@ def test_vmap_over_coefficient_sets_equals_loop():
     feats = _mixed_batch()
     rng = np.random.default_rng(0)
     betas = jnp.asarray(np.array(load_coefficients().beta) * rng.uniform(0.5, 1.5, size=(64, 11)))
-    one = jax.jit(lambda b: latency.step_time_us(with_coefficients(model, beta=b), feats))
-    batched = jax.jit(jax.vmap(one))(betas)
-    looped = jnp.stack([one(b) for b in betas])
-    np.testing.assert_array_equal(batched, looped)
-    assert batched.dtype == jnp.int64
+    alphas = jnp.asarray(np.array([1e4, 500.0, 50.0, 0.0]) * rng.uniform(0.5, 1.5, size=(64, 4))
+                         + np.array([0.0, 0.0, 0.0, 1.0]) * rng.uniform(0.0, 1.5, size=(64, 1)))   # α₃ too
+
+    def one(a, b):
+        m = with_coefficients(model, alpha=a, beta=b)
+        return latency.step_time_us(m, feats), latency.first_token_lag_us(m, latency.step_time_us(m, feats))
+
+    one = jax.jit(one)
+    batched = jax.jit(jax.vmap(one))(alphas, betas)
+    looped = [jnp.stack(x) for x in zip(*(one(a, b) for a, b in zip(alphas, betas)))]
+    np.testing.assert_array_equal(batched[0], looped[0])
+    np.testing.assert_array_equal(batched[1], looped[1])
+    assert batched[0].dtype == jnp.int64 and len(set(np.asarray(batched[1]).tolist())) > 1
 
 
 def test_vmap_over_batches():
