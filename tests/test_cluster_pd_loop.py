@@ -142,6 +142,30 @@ def test_conservation_when_the_horizon_cuts_transfers(fraction):
     assert views.prefill_completed >= m["completed_requests"]
 
 
+def test_first_token_lag_of_disaggregated_requests():
+    """blis-jax's α₃: a disaggregated request's first token is the decode pod's first step, so
+    its TTFT and E2E gain trunc(α₃ × that step), as a co-located request's do; the schedule does
+    not change. With α₃ = 1 the shift is the step itself, so α₃ = 0.8 must shift by trunc(0.8 ×
+    that)."""
+    c, requests, model, *_ = case("E05")
+    kvb = kv_bytes_per_token(load_model(c["model"]), int(c["tp"]))
+    outs = {}
+    for lag in (0.0, 1.0, 0.8):
+        alpha = np.asarray(model.alpha).copy()
+        alpha[3] = lag
+        outs[lag], _ = simulate_cluster_views(requests, params_from(c), latency.with_coefficients(model, alpha=alpha),
+                                              config(c), kv_bytes_per_token=kvb)
+    base = outs[0.0]
+    assert so.is_completed(base.status).all()
+    step = outs[1.0].ttft_us - base.ttft_us
+    assert (step > 0).all()
+    np.testing.assert_array_equal(outs[1.0].e2e_us - base.e2e_us, step)
+    np.testing.assert_array_equal(outs[0.8].ttft_us - base.ttft_us, np.trunc(0.8 * step).astype(np.int64))
+    np.testing.assert_array_equal(outs[0.8].e2e_us - base.e2e_us, np.trunc(0.8 * step).astype(np.int64))
+    np.testing.assert_array_equal(outs[0.8].itl_sum_us, base.itl_sum_us)
+    np.testing.assert_array_equal(outs[0.8].handled_by, base.handled_by)
+
+
 def test_decider_never_serves_everything_on_the_decode_pool():
     c, requests, *_ = case("E05")
     out, views = run("E05", pd_decider="never")

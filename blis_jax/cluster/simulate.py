@@ -454,7 +454,7 @@ def _simulate_cluster_views(
     def finish(cs, edims, code, readers):
         return _finish_cluster(cs, edims, code, readers, requests=requests, params=params, cluster=cluster,
                                startup=startup, scaling_setup=scaling_setup, prefill_role=prefill_role,
-                               decode_role=decode_role, lora=lora)
+                               decode_role=decode_role, lora=lora, slot_alpha=np.asarray(deployed.model.alpha))
 
     if prepare:  # the batched driver (sweep/scaling_batch.py) runs the chunks of many such runs at once
         return PreparedCluster(build=build, finish=finish)
@@ -482,15 +482,15 @@ class PreparedCluster:
 
 
 def _finish_cluster(cs, edims, code, readers, *, requests, params, cluster, startup, scaling_setup, prefill_role,
-                    decode_role, lora):
+                    decode_role, lora, slot_alpha):
     # the instances that exist (a pending startup instance is absent from every output, as in
     # BLIS); first-fit with one TP for all makes the placed ones a prefix of the indices, and
     # the autoscaler's and those a NodeReady retry placed later follow them in creation order
     built = cluster.num_instances if startup is None else startup.num_placed
     if scaling_setup is not None:
         built = int(cs.scaling.next_slot)
-    pools = ((np.asarray(prefill_role), np.asarray(decode_role), cluster.pd_transfer_contention) if cluster.pd
-             else None)
+    pools = ((np.asarray(prefill_role), np.asarray(decode_role), cluster.pd_transfer_contention, slot_alpha)
+             if cluster.pd else None)
     out, views = merge_outputs(cs, edims, params, requests, code, readers, built, pools)
     if cs.warm_up is not None:  # the post-hoc warm-up penalty (cluster-level TTFTs only)
         out = dataclasses.replace(out, ttft_adjusted_us=warm_up.adjusted_ttft(
@@ -802,7 +802,7 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
     """(one `SimOutput` for the cluster, per-instance views or None): each request's record
     from the instance that served it (with PD, its parent record rebuilt from its sub-requests),
     ITL step logs concatenated (run step indices offset), counters per instance. `pools`: with
-    PD, (prefill-role mask, decode-role mask, transfer contention)."""
+    PD, (prefill-role mask, decode-role mask, transfer contention, each slot's alpha [I, 4])."""
     n = len(requests)
     host = jax.device_get(cs)
     handled = np.asarray(host.handled_by[:n]).astype(np.int32)
@@ -892,7 +892,7 @@ def _pd_parents(fields: dict, lanes, admit_steps, handled, disaggregated, prefil
     decode sub-request's once that arrived, the prefill's figures were saved at the transfer
     start (`Transfers.prefill_*`)."""
     f = fields
-    prefill_role, decode_role, contention = pools
+    prefill_role, decode_role, contention, slot_alpha = pools
     dropped = np.asarray(tr.dropped[:n])
     started = np.asarray(tr.start_us[:n]) >= 0
     moving = np.asarray(tr.request)[np.asarray(tr.done_at) < INF_TIME]
@@ -934,13 +934,19 @@ def _pd_parents(fields: dict, lanes, admit_steps, handled, disaggregated, prefil
     prefill_status = np.where(prefill_done, so.COMPLETED, prefill_status).astype(np.int8)
     prefill_delay = np.where(prefill_done, saved_delay, prefill_delay)
     first_sample = np.full(n, -1, np.int64)
+    lag = np.zeros(n, np.int64)
     for i, o in enumerate(lanes):
         mine = (disaggregated & (handled == i) & (admit_steps[i] >= 0) & (admit_steps[i] < o.itl_step_us.shape[0])
                 & decode_arrived)
         first_sample[mine] = o.itl_step_us[admit_steps[i][mine]]
+        # blis-jax's first-token lag (α₃ × the first token's step, as the engine adds it to a
+        # co-located request's TTFT): here that step is the decode pod's first, sample − trunc(α₂)
+        step_us = first_sample[mine] - np.trunc(slot_alpha[i, 2]).astype(np.int64)
+        lag[mine] = np.trunc(slot_alpha[i, 3] * step_us.astype(np.float64)).astype(np.int64)
     done = disaggregated & so.is_completed(status)
-    f["ttft_us"] = np.where(disaggregated, np.where(first_sample >= 0, decode_delay + first_sample, -1), f["ttft_us"])
-    f["e2e_us"] = np.where(done, decode_delay + f["e2e_us"], f["e2e_us"])
+    f["ttft_us"] = np.where(disaggregated, np.where(first_sample >= 0, decode_delay + first_sample + lag, -1),
+                            f["ttft_us"])
+    f["e2e_us"] = np.where(done, decode_delay + f["e2e_us"] + lag, f["e2e_us"])
     f["sched_delay_us"] = np.where(disaggregated, prefill_delay, f["sched_delay_us"])
     # before the decode side: the prefill's state (waiting, running, timed out), in transfer, dropped
     not_at_decode = disaggregated & (status == so.NOT_ARRIVED)
