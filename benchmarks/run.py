@@ -25,14 +25,15 @@ CONFIGS = {"stable": 9.0, "overloaded": 30.0}
 def measure(num_requests: int, rate: float) -> dict:
     import numpy as np
 
-    from blis_jax.config import auto_kv_blocks, auto_max_model_len, load_gpu, load_model
+    from blis_jax.config import auto_kv_blocks, auto_max_model_len, load_coefficients, load_gpu, load_model
     from blis_jax.engine.params import make_engine_params
     from blis_jax.engine.simulate import simulate_instance
     from blis_jax.latency import build_latency_model
     from blis_jax.workload.distribution import DistributionWorkload, generate_distribution
 
     arch, gpu = load_model("meta-llama/Llama-3.1-8B-Instruct"), load_gpu("H100")
-    model = build_latency_model("trained-physics", arch, gpu, tp=1)
+    blis = load_coefficients("iter29")   # BLIS's: the rates and figures here were chosen with them
+    model = build_latency_model("trained-physics", arch, gpu, tp=1, alpha=blis.alpha, beta=blis.beta)
     blocks = auto_kv_blocks(arch, gpu, 1)
     params = make_engine_params(total_kv_blocks=blocks, max_model_len=auto_max_model_len(arch, blocks))
     requests = generate_distribution(DistributionWorkload(rate=rate, num_requests=num_requests), seed=42)

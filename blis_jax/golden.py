@@ -81,9 +81,11 @@ def write_spec(exp: GoldenExperiment, directory: str | Path) -> Path:
 
 
 def run_flags(exp: GoldenExperiment, spec_path: str | Path) -> list[str]:
-    """`blis-jax run` flags that reproduce the experiment (BLIS's own flag names)."""
+    """`blis-jax run` flags that reproduce the experiment (BLIS's own flag names, and BLIS's
+    coefficients by name: blis-jax's default set is another)."""
+    coefficients = ["--coefficients", "iter29"] if exp.latency_model == "trained-physics" else []
     return ["run", "--model", exp.model, "--hardware", exp.hardware, "--tp", str(exp.tp),
-            "--latency-model", exp.latency_model, "--total-kv-blocks", str(exp.total_kv_blocks),
+            "--latency-model", exp.latency_model, *coefficients, "--total-kv-blocks", str(exp.total_kv_blocks),
             "--max-num-seqs", str(exp.max_num_seqs), "--max-num-batched-tokens", str(exp.max_num_batched_tokens),
             "--workload-spec", str(spec_path)]
 

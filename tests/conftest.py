@@ -19,7 +19,7 @@ os.environ.setdefault("BLIS_JAX_COMPILE_CACHE", "0")
 # with BLIS's own coefficients, iter29; blis-jax's default is another fit (docs/FITTING.md). The
 # suite runs with BLIS's as the default, subprocesses included; tests of the default itself
 # unset this (test_config.py).
-os.environ.setdefault("BLIS_JAX_COEFFICIENTS", "iter29")
+os.environ["BLIS_JAX_COEFFICIENTS"] = "iter29"
 # The suite is dominated by XLA compilation (dozens of engine programs, each run briefly), and
 # LLVM's backend optimizations are ~40% of a compile. Without them the same IEEE arithmetic
 # runs a little slower; results do not change (the BLIS parity and golden-pin tests hold).

@@ -447,6 +447,29 @@ def test_cv_folds_in_worker_processes_give_the_same_figures(synthetic, tmp_path)
     assert "cross-validation (lomo)" in out1
 
 
+def _failing_rebuild():
+    raise ValueError("no experiments in this worker")
+
+
+@pytest.mark.slow
+def test_cv_workers_end_on_a_fold_error_or_a_stop(synthetic, start):
+    """A worker's error reaches the caller (the other folds' workers are ended, not awaited), and
+    so does a stop request (the main fit failed)."""
+    import threading
+
+    exps, _ = synthetic
+    theta, num_betas = start
+    free = F.parse_params("alpha0", theta, num_betas)
+    lo, hi = F.parse_bounds(None, free, num_betas)
+    settings = F.FitSettings(free=tuple(free), lo=lo, hi=hi, outer=1, steps=10, patience=1)
+    with pytest.raises(ValueError, match="no experiments in this worker"):
+        F.cross_validate(exps, theta, settings, "lomo", F.Simulator(), jobs=2, rebuild=_failing_rebuild)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(RuntimeError, match="the main fit failed"):
+        F.cross_validate(exps, theta, settings, "lomo", F.Simulator(), jobs=2, rebuild=_failing_rebuild, stop=stop)
+
+
 def test_cli_missing_observed_file(tmp_path):
     code, out, err = _run_cli(["fit", "--observed", str(tmp_path / "missing.json")])
     assert (code, out) == (2, "")

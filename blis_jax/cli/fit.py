@@ -7,6 +7,7 @@ import functools
 import hashlib
 import math
 import shlex
+import threading
 from pathlib import Path
 from typing import TextIO
 
@@ -41,9 +42,9 @@ def add_parser(sub) -> None:
     g.add_argument("--real-prefix", choices=("prompt", "system", "none"), default="prompt",
                    help="prefix groups for the prompts the real server cached (default: prompt; see "
                         "docs/ACCURACY.md)")
-    g.add_argument("--start", default=str(BLIS_FIT), metavar="FILE",
-                   help="start coefficients, a fits/*.yaml file with 10 or 11 betas (default: the shipped "
-                        "fits/trained-physics-iter29.yaml)")
+    g.add_argument("--start", default=str(BLIS_FIT), metavar="FILE|NAME",
+                   help="start coefficients, a coefficient file with 10 or 11 betas or a shipped set by name "
+                        "(default: BLIS's, fits/trained-physics-iter29.yaml)")
     g.add_argument("--experiments", default=None, metavar="ID,...",
                    help="fit on these experiment ids only (default: all in --observed)")
     g.add_argument("--load-generator", choices=LOAD_GENERATORS, default=DEFAULTS["load_generator"],
@@ -57,7 +58,7 @@ def add_parser(sub) -> None:
                         "stop short of the configured length, Llama-2-7B by ~20 %%)")
     g = p.add_argument_group("what to fit")
     g.add_argument("--params", default=None, metavar="NAME,...",
-                   help="coefficients to fit: alpha0..alpha2, beta0..beta10 (slice index of the beta list) or "
+                   help="coefficients to fit: alpha0..alpha3, beta0..beta10 (slice index of the beta list) or "
                         "BLIS names b1a,b2a,b3,b4,b5,b6,b7,b8,b1b,b2b,bEP (beta2 = b3 = weight loading), or 'all' "
                         "(default: every coefficient that is non-zero in --start)")
     g.add_argument("--bounds", default=None, metavar="NAME=LO:HI,...",
@@ -257,10 +258,16 @@ def cmd_fit(args, stdout: TextIO, stderr: TextIO, diag) -> int:
         # the folds run in worker processes; a thread here only waits for them while the main fit runs
         rebuild = functools.partial(_rebuild_experiments, args.observed, ids, args.real_traces, args.real_prefix,
                                     args.start, args.load_generator, args.output_lengths)
+        stop = threading.Event()
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as waiter:
             pending = waiter.submit(F.cross_validate, exps, theta0, settings, args.cv, sim,
-                                    progress=None if args.quiet else say, jobs=args.cv_jobs, rebuild=rebuild)
-            result = F.fit(exps, theta0, settings, sim, progress=say)
+                                    progress=None if args.quiet else say, jobs=args.cv_jobs, rebuild=rebuild,
+                                    stop=stop)
+            try:
+                result = F.fit(exps, theta0, settings, sim, progress=say)
+            except BaseException:
+                stop.set()          # end the folds' workers rather than wait for them
+                raise
             cv = pending.result()
     else:
         result = F.fit(exps, theta0, settings, sim, progress=say)

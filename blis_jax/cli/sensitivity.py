@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
                    help=f"metrics to differentiate: {', '.join(S.METRICS)} (default "
                         f"{','.join(S.DEFAULT_METRICS)}; latencies in ms, throughput in output tokens/s)")
     g.add_argument("--wrt", default="alpha,beta", metavar="NAME,...",
-                   help="inputs: alpha, beta (every coefficient of the group), alpha0..alpha2, beta0..beta10 or "
+                   help="inputs: alpha, beta (every coefficient of the group), alpha0..alpha3, beta0..beta10 or "
                         "BLIS's names b1a..bEP, and the settings rate, total-kv-blocks, max-num-seqs, "
                         "max-num-batched-tokens (default alpha,beta)")
     g.add_argument("--check", action="store_true",

@@ -670,13 +670,14 @@ def cv_groups(exps: Sequence, mode: str) -> list[tuple[str, list]]:
 
 def cross_validate(exps: Sequence[Prepared], theta0: np.ndarray, settings: FitSettings, mode: str,
                    sim: Simulator, progress: Progress | None = None, *, jobs: int = 1,
-                   rebuild: Callable[[], list[Prepared]] | None = None) -> CVResult:
+                   rebuild: Callable[[], list[Prepared]] | None = None, stop=None) -> CVResult:
     """Fit on all but one group, evaluate the held-out group by simulation, for every group.
 
     ``jobs`` > 1 runs the folds in that many worker processes (spawned: each imports JAX and
     compiles for itself); each worker prepares the experiments with ``rebuild`` (picklable, giving
     `exps` again: a resolved scenario cannot be pickled) and prints its own progress to stderr
-    when `progress` is set. The folds are independent and deterministic, so the result is the same
+    when `progress` is set; a fold's error, or ``stop`` (a `threading.Event`) being set, ends the
+    other workers at once. The folds are independent and deterministic, so the result is the same
     as with ``jobs=1``, which runs them here and shares `sim`'s start-point simulations."""
     say = progress or (lambda line: None)
     groups = cv_groups(exps, mode)
@@ -688,7 +689,7 @@ def cross_validate(exps: Sequence[Prepared], theta0: np.ndarray, settings: FitSe
         if rebuild is None:
             raise ValueError("cross_validate(jobs > 1) needs `rebuild`, which prepares the experiments in a worker")
         folds = _cv_folds_in_workers(rebuild, len(groups), theta0, settings, mode, jobs, say,
-                                     verbose=progress is not None)
+                                     verbose=progress is not None, stop=stop)
     held_ids = [i for f in folds for i in f.held_out]
     order = {p.id: p for p in exps}
     held = [order[i] for i in held_ids]
@@ -719,20 +720,36 @@ def _cv_fold(exps: Sequence[Prepared], groups: list[tuple[str, list]], g: int, t
 
 def _cv_folds_in_workers(rebuild: Callable[[], list[Prepared]], count: int, theta0: np.ndarray,
                          settings: FitSettings, mode: str, jobs: int, say: Progress, *,
-                         verbose: bool) -> list[CVFold]:
+                         verbose: bool, stop=None) -> list[CVFold]:
     import concurrent.futures
     import multiprocessing
 
     # spawn, not fork: a forked child of a process that has started XLA's threads can deadlock
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, count), mp_context=context) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, count), mp_context=context)
+    folds: dict[int, CVFold] = {}
+    try:
         futures = {pool.submit(_cv_fold_in_worker, rebuild, g, theta0, settings, mode, verbose): g
                    for g in range(count)}
-        folds: dict[int, CVFold] = {}
-        for done in concurrent.futures.as_completed(futures):
-            g = futures[done]
-            folds[g] = done.result()
-            say(f"cv {mode}: fold {g + 1}/{count} ({folds[g].group}) done, {len(folds)} of {count}")
+        pending = set(futures)
+        while pending:
+            if stop is not None and stop.is_set():
+                raise RuntimeError("cross-validation stopped: the main fit failed")
+            done, pending = concurrent.futures.wait(pending, timeout=1.0,
+                                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                g = futures[future]
+                folds[g] = future.result()        # a fold's error ends the others (finally)
+                say(f"cv {mode}: fold {g + 1}/{count} ({folds[g].group}) done, {len(folds)} of {count}")
+    finally:
+        if len(folds) < count:   # an error here or in the caller: do not wait for the other folds
+            # the executor has no public way to end running tasks: terminate its processes
+            workers = list((getattr(pool, "_processes", None) or {}).values())
+            pool.shutdown(wait=False, cancel_futures=True)
+            for worker in workers:
+                worker.terminate()
+        else:
+            pool.shutdown()
     return [folds[g] for g in range(count)]
 
 
