@@ -22,6 +22,7 @@ import numpy as np
 
 from blis_jax.engine.output import SimOutput, is_completed
 from blis_jax.engine.status import (
+    ENCODE_REJECTED,
     GATEWAY_EXPIRED,
     GATEWAY_QUEUED,
     GATEWAY_REJECTED,
@@ -397,11 +398,13 @@ class AnomalyCounters:
     gateway_rejected: int = 0
     gateway_shed: int = 0
     gateway_expired: int = 0
+    encode_routing_rejections: int = 0  # E/P/D: the encode decider fired on an empty encode pool
 
     def any_nonzero(self) -> bool:
         return any((self.priority_inversions, self.hol_blocking_events, self.rejected_admission,
                     self.rejected_routing, self.dropped_unservable, self.timed_out, self.length_capped,
-                    self.gateway_queued, self.gateway_rejected, self.gateway_shed, self.gateway_expired))
+                    self.gateway_queued, self.gateway_rejected, self.gateway_shed, self.gateway_expired,
+                    self.encode_routing_rejections))
 
 
 def anomaly_counters(out: SimOutput, requests: RequestSet, *, scheduler: str = "fcfs",
@@ -429,6 +432,7 @@ def anomaly_counters(out: SimOutput, requests: RequestSet, *, scheduler: str = "
         gateway_rejected=int((out.status == GATEWAY_REJECTED).sum()),
         gateway_shed=int((out.status == GATEWAY_SHED).sum()),
         gateway_expired=int((out.status == GATEWAY_EXPIRED).sum()),
+        encode_routing_rejections=int((out.status == ENCODE_REJECTED).sum()),
     )
 
 

@@ -135,6 +135,8 @@ def format_anomaly_section(counters: AnomalyCounters) -> str:
                   f"Gateway Queue Shed: {counters.gateway_shed}",
                   f"Gateway Queue Rejected: {counters.gateway_rejected}",
                   f"Gateway Expired: {counters.gateway_expired}"]
+    if counters.encode_routing_rejections:  # E/P/D (name and placement unverified against BLIS's output)
+        lines.append(f"Encode Routing Rejections: {counters.encode_routing_rejections}")
     return "\n".join(lines) + "\n"
 
 

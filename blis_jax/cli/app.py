@@ -37,6 +37,7 @@ from blis_jax.cli import scenario_flags
 from blis_jax.cli.scenario_flags import FLAG_OF_FIELD, scenario_config
 from blis_jax.cluster.admission import ADMISSION_POLICIES
 from blis_jax.cluster.gateway import DISPATCH_ORDERS, FAIRNESS_POLICIES, SATURATION_DETECTORS
+from blis_jax.cluster.encode import ENCODE_DECIDERS
 from blis_jax.cluster.pd import PD_DECIDERS
 from blis_jax.cluster.routing import ROUTING_POLICIES
 from blis_jax.cluster.drain import DRAIN_POLICIES
@@ -212,6 +213,12 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="weighted routing inside the prefill pool (default: the routing policy)")
     g.add_argument("--decode-routing-scorers", default=None, metavar="NAME:W,...",
                    help="weighted routing inside the decode pool (default: the routing policy)")
+    g.add_argument("--encode-instances", type=int, default=0, metavar="N",
+                   help="E/P/D encode pool: the N instances after the PD pools; they serve nothing (default 0)")
+    g.add_argument("--encode-decider", choices=ENCODE_DECIDERS, default="never",
+                   help="which requests get an encode routing decision (zero time, with the routing policy): "
+                        "never, always, or multimodal (image/audio/video tokens); with no encode instance "
+                        "they are encode routing rejections (default never)")
     for pool in ("prefill", "decode"):
         g.add_argument(f"--{pool}-hardware", default=None, metavar="GPU",
                        help=f"GPU of the {pool} pool (default: --hardware); its KV blocks are re-derived "

@@ -31,7 +31,7 @@ _CLUSTER_FIELDS = ("num_instances", "routing_policy", "routing_scorers", "admiss
                    "queue_depth_threshold", "kv_cache_util_threshold", "prefill_instances", "decode_instances",
                    "prefill_decode_instances", "pd_decider", "pd_prefix_threshold", "pd_transfer_bandwidth",
                    "pd_transfer_base_latency", "pd_transfer_contention", "prefill_routing_scorers",
-                   "decode_routing_scorers", "drain_policy")
+                   "decode_routing_scorers", "encode_instances", "encode_decider", "drain_policy")
 
 
 # Configuration field path → the flag that sets it (`blis_jax.naming`): the scenario settings

@@ -78,6 +78,7 @@ class ClusterDims:
     scaling_pools: bool = False
     scaling_drain: bool = False  # a drain policy other than BLIS's CLI's bare drain (drain.py)
     warm_up: bool = False  # instance warm-up (warm_up.py, a BLIS library feature): W > 0
+    encode: bool = False  # E/P/D encode pool or decider (encode.py): the encode step is compiled
 
     @property
     def flow_control(self) -> bool:
@@ -133,6 +134,10 @@ class ClusterParams(eqx.Module):
     instance_model: Int32[Array, " I"]
     request_model: Int32[Array, " N"]
     scaling: scaling.ScalingParams | None = None  # the autoscaler (None without)
+    # E/P/D (encode.py; None without an encode pool or decider): the encode pool's slots, and per
+    # request whether its encode decider fires
+    encode_role: Bool[Array, " I"] | None = None
+    encode_fires: Bool[Array, " N"] | None = None
 
 
 def eligible(cparams: ClusterParams, routable: Bool[Array, " I"], r) -> Bool[Array, " I"]:
@@ -174,6 +179,10 @@ class ClusterState(eqx.Module):
     result: Int32[Array, ""]
     # with the autoscaler: when each slot entered each lifecycle state (timeline.py; None without)
     entered: Int64[Array, "I S"] | None = None
+    # E/P/D (None without): requests whose encode decision found no routable encode instance, and
+    # each request's encode decision (the chosen encode slot, the decision trace; -1 none)
+    encode_rejected: Bool[Array, " N"] | None = None
+    encode_by: Int32[Array, " N"] | None = None
 
 
 # ---------------------------------------------------------------------------- what the router reads
@@ -295,6 +304,8 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
         drain=drain.empty(i, n) if cd.scaling and cd.scaling_drain else None,
         result=jnp.asarray(0, jnp.int32),
         entered=timeline.initial(life.state) if scaling_state is not None else None,
+        encode_rejected=jnp.zeros(n, bool) if cd.encode else None,
+        encode_by=jnp.full(n, -1, jnp.int32) if cd.encode else None,
     )
 
 
@@ -491,7 +502,14 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     # Without PD pools it covers only the routable instances that serve the request's model (§5.2).
     routable = lifecycle.routable(cs.lifecycle)
     covered = routable & cparams.decode_role if cd.pd else eligible(cparams, routable, r)
-    snapshot = signals.refresh(cs.snapshot, live, t_route, covered)
+    if cd.encode:  # encode instances serve nothing: never in normal routing (PD pools exclude them already)
+        covered = covered & ~cparams.encode_role
+        encode_pool = routable & cparams.encode_role
+        fire = admitted & cparams.encode_fires[r]  # an encode decision (and its RouterState build) happens
+        before = signals.refresh(cs.snapshot, live, t_route, encode_pool & fire)
+    else:
+        before = cs.snapshot
+    snapshot = signals.refresh(before, live, t_route, covered)
     cache_signal = cs.cache_signal
     if cd.reads_prefix_cache:
         cache_signal = signals.refresh_cache_signal(cache_signal, group_blocks_cached(cs.instances, cd.engine), t_route)
@@ -500,9 +518,22 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     when = lambda flag, new, old: jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)  # noqa: E731
     prefill_routing, decode_routing = cs.prefill_routing, cs.decode_routing
     prefill_router, decode_router = cs.prefill_router, cs.decode_router
+    main_routing, main_router, routes_on = cs.routing, cs.router, admitted
+    if cd.encode:
+        # E/P/D: the encode decision comes first (the encoder's output feeds the prefill, so BLIS
+        # routes E before P/D; with an empty encode pool the request goes no further), with the
+        # main policy and the `router` stream (blis-rng §10.2): it advances the round-robin
+        # counter / draws a tie-break, shifting the later decisions. It takes zero time and
+        # creates no sub-request, so nothing is injected and the in-flight counts do not move.
+        new, encode_target, drawn = cs.routing.route(signals.router_state(snapshot, in_flight, encode_pool),
+                                                     route_req, cs.router)
+        chose = fire & (encode_target >= 0)
+        main_routing, main_router = when(chose, new, cs.routing), when(chose, drawn, cs.router)
+        encode_rejected = fire & (encode_target < 0)
+        routes_on = admitted & ~encode_rejected
     if not cd.pd:
         rs = signals.router_state(snapshot, in_flight, covered)
-        policy, target, router = cs.routing.route(rs, route_req, cs.router)
+        policy, target, router = main_routing.route(rs, route_req, main_router)
         disaggregated, prefill = jnp.asarray(False), jnp.asarray(-1, jnp.int64)
     else:
         # llm-d decode-first: the decode pod, the decider, then (maybe) the prefill pod. A pool
@@ -512,9 +543,9 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         rs = signals.router_state(snapshot, in_flight, routable & cparams.decode_role)
         if cs.decode_routing is not None:
             decode_routing, target, decode_router = cs.decode_routing.route(rs, route_req, cs.decode_router)
-            policy, router = cs.routing, cs.router
+            policy, router = main_routing, main_router
         else:
-            policy, target, router = cs.routing.route(rs, route_req, cs.router)
+            policy, target, router = main_routing.route(rs, route_req, main_router)
         cached = route_req.cached_prefix_blocks[jnp.maximum(target, 0)]
         disaggregated = (target >= 0) & pd_rules.disaggregate(cparams.pd, req.input_len[r], cached,
                                                                cd.engine.block_size)
@@ -532,21 +563,28 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         disaggregated = disaggregated & (prefill >= 0)
     # Only a decision that happened changes router state (the body runs masked); a request
     # that no routable instance serves is rejected before the policy runs (no draw, no count).
-    keep = functools.partial(when, admitted & jnp.any(covered))
+    keep = functools.partial(when, routes_on & jnp.any(covered))
     decided = dataclasses.replace(
         cs,
         admission=when(on, admission, cs.admission),
-        snapshot=keep(snapshot, cs.snapshot),
-        cache_signal=keep(cache_signal, cs.cache_signal),
-        routing=keep(policy, cs.routing),
+        snapshot=keep(snapshot, before),
+        cache_signal=(keep(cache_signal, cs.cache_signal) if not cd.encode else
+                      when((routes_on & jnp.any(covered)) | fire, cache_signal, cs.cache_signal)),
+        routing=keep(policy, main_routing),
         prefill_routing=keep(prefill_routing, cs.prefill_routing),
         decode_routing=keep(decode_routing, cs.decode_routing),
-        router=keep(router, cs.router),
+        router=keep(router, main_router),
         prefill_router=keep(prefill_router, cs.prefill_router),
         decode_router=keep(decode_router, cs.decode_router),
     )
-    target = jnp.where(admitted, target, -1)
-    disaggregated = admitted & disaggregated
+    target = jnp.where(routes_on, target, -1)
+    disaggregated = routes_on & disaggregated
+    if cd.encode:
+        n = cs.handled_by.shape[0]
+        decided = dataclasses.replace(
+            decided,
+            encode_rejected=decided.encode_rejected.at[jnp.where(encode_rejected, r, n)].set(True, mode="drop"),
+            encode_by=decided.encode_by.at[jnp.where(chose, r, n)].set(encode_target.astype(jnp.int32), mode="drop"))
     n = cs.handled_by.shape[0]
     slots = jnp.arange(cd.num_instances)
     tr = decided.transfers
@@ -565,7 +603,7 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
         transfers=tr,
         next_request=cs.next_request + on,
         rejected=decided.rejected.at[jnp.where(on & ~admitted, r, n)].set(True, mode="drop"),
-        routing_rejected=decided.routing_rejected.at[jnp.where(admitted & (target < 0), r, n)].set(True, mode="drop"),
+        routing_rejected=decided.routing_rejected.at[jnp.where(routes_on & (target < 0), r, n)].set(True, mode="drop"),
         handled_by=decided.handled_by.at[jnp.where(target >= 0, r, n)].set(target.astype(jnp.int32), mode="drop"),
         routed=decided.routed + (slots == target) + (disaggregated & (slots == prefill)),
     )

@@ -26,6 +26,7 @@ from blis_jax.cluster import node_pools as infra
 from blis_jax.cluster import gateway as gw
 from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import drain, loop, scaling, warm_up
+from blis_jax.cluster import encode as encode_rules
 from blis_jax.cluster import routing as routing_policies
 from blis_jax.cluster import scorers as sc
 from blis_jax.engine import output as so
@@ -77,6 +78,11 @@ class ClusterConfig:
     pd_transfer_contention: bool = False
     prefill_routing_scorers: str | None = None  # weighted routing inside the prefill pool
     decode_routing_scorers: str | None = None
+    # E/P/D (cluster/encode.py): the next `encode_instances` slots after the PD pools are the
+    # encode pool (they serve nothing); when `encode_decider` fires for a request, an encode
+    # routing decision with the main policy comes first, a rejection if the pool is empty
+    encode_instances: int = 0
+    encode_decider: str = "never"
     flow_control: gw.FlowControlConfig | None = None  # the gateway queue (--flow-control); None = off
     # the model every instance serves (BLIS: --model lower-cased): a request tagged with another
     # model is rejected at routing (blis-infra §5); None = every instance serves every request
@@ -147,6 +153,7 @@ class ClusterConfig:
         elif self.prefill_routing_scorers or self.decode_routing_scorers or self.pd_decider != "never":
             raise ConfigError("--pd-decider / --prefill-routing-scorers / --decode-routing-scorers need PD pools: "
                               "set --prefill-instances and --decode-instances (or --prefill-decode-instances)")
+        self._check_encode(autoscaler)
         infra.check_pools(self.node_pools)
         if not isinstance(self.instance_lifecycle, infra.InstanceLifecycle):
             raise ConfigError("instance_lifecycle: expected an InstanceLifecycle")
@@ -168,6 +175,18 @@ class ClusterConfig:
             raise ConfigError("node_pools with prefill/decode pools are not supported yet; drop node_pools from the "
                               "policy bundle or --prefill-instances/--decode-instances")
         return self
+
+    def _check_encode(self, autoscaler):
+        encode_rules.check_decider(self.encode_decider)
+        if not self.encode:
+            return
+        self.encode_mask()  # pool sizes (negative counts, sum > --num-instances)
+        for on, what in ((autoscaler is not None, "the autoscaler"), (bool(self.node_pools), "node_pools"),
+                         (self.flow_control is not None, "--flow-control")):
+            if on:
+                raise ConfigError(f"--encode-instances / --encode-decider with {what} are not simulated yet (the "
+                                  f"idle encode instances would count in its instance views); drop {what} or the "
+                                  "encode pool")
 
     def _check_node_drains(self):
         if not self.node_drains:
@@ -207,6 +226,16 @@ class ClusterConfig:
         return bool(self.prefill_instances or self.decode_instances or self.prefill_decode_instances)
 
     @property
+    def encode(self) -> bool:
+        """An encode pool or an encode decider: the loop compiles the encode step."""
+        return bool(self.encode_instances) or self.encode_decider != "never"
+
+    @property
+    def encode_ignored(self) -> bool:
+        """Encode instances whose decider never fires: they only sit idle (warned)."""
+        return bool(self.encode_instances) and self.encode_decider == "never"
+
+    @property
     def decider_ignored(self) -> bool:
         """BLIS's "--pd-decider has no effect because --prefill-instances=0" case (shared pods
         only): `blis run` warns and still disaggregates between shared pods; `blis replay`
@@ -215,8 +244,16 @@ class ClusterConfig:
 
     def pool_masks(self):
         """(prefill-role, decode-role) masks over the slots (shared pods in both)."""
+        return self._masks()[:2]
+
+    def encode_mask(self):
+        """The encode pool's slots (the last pool indices)."""
+        return self._masks()[2]
+
+    def _masks(self):
         return pd_rules.pool_masks(self.slots, prefill=self.prefill_instances, decode=self.decode_instances,
-                                   shared=self.prefill_decode_instances, num_instances=self.num_instances)[:2]
+                                   shared=self.prefill_decode_instances, encode=self.encode_instances,
+                                   num_instances=self.num_instances)
 
     def pd_config(self):
         return pd_rules.make_pd_config(self.pd_decider, prefix_threshold=self.pd_prefix_threshold,
@@ -408,7 +445,7 @@ def _simulate_cluster_views(
             transfers=bucket(64 * growth.transfers) if cluster.pd else 1, shared_pods=shared,
             admission_reads_state=cluster.admission().reads_state,
             gateway_slots=gateway_slots, gateway_bands=bands, gateway_tenants=tenants,
-            warm_up=cluster.warm_up_request_count > 0,
+            warm_up=cluster.warm_up_request_count > 0, encode=cluster.encode,
             **(scaling_setup.dims(growth) if scaling_setup is not None else {}),
         )
         cparams = loop.ClusterParams(
@@ -422,6 +459,7 @@ def _simulate_cluster_views(
             gateway=gw.padded(gateway, edims.num_requests) if gateway is not None else None,
             **model_ids(requests, cluster, edims.num_requests),
             scaling=scaling_setup.params(growth, params) if scaling_setup is not None else None,
+            **(encode_params(requests, cluster, edims.num_requests) if cluster.encode else {}),
         )
         req = request_arrays(requests, edims, adapters=adapters)
         streams = tuple(go_stream(subsystem_seed(cluster.seed, name))   # blis-rng §2: seed XOR fnv1a64(name)
@@ -746,6 +784,13 @@ def model_ids(requests: RequestSet, cluster: ClusterConfig, padded_to: int) -> d
     return dict(instance_model=jnp.zeros(cluster.slots, jnp.int32), request_model=jnp.asarray(wanted))
 
 
+def encode_params(requests: RequestSet, cluster: ClusterConfig, padded_to: int) -> dict:
+    """`ClusterParams.encode_role` / `encode_fires` (padding rows never fire)."""
+    fire = np.zeros(padded_to, bool)
+    fire[:len(requests)] = encode_rules.fires(cluster.encode_decider, requests)
+    return dict(encode_role=cluster.encode_mask(), encode_fires=jnp.asarray(fire))
+
+
 def unservable_models(requests: RequestSet, served_model: str | None) -> bool:
     """Some request names a model no instance serves (rejected at routing)."""
     if served_model is None:
@@ -827,6 +872,8 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
                                           int(params.horizon_us))
     fields["status"][np.asarray(host.rejected[:n])] = so.REJECTED
     fields["status"][np.asarray(host.routing_rejected[:n])] = so.ROUTING_REJECTED
+    if host.encode_rejected is not None:
+        fields["status"][np.asarray(host.encode_rejected[:n])] = so.ENCODE_REJECTED
     if host.gateway is not None:
         fields.update(_gateway_outcomes(fields["status"], host.gateway, n))
     if host.drain is not None:

@@ -15,6 +15,7 @@ from blis_jax.errors import ConfigError
 from blis_jax.engine.status import (  # noqa: E402,F401  (re-exported: outputs name them from here)
     COMPLETED,
     DROPPED,
+    ENCODE_REJECTED,
     GATEWAY_EXPIRED,
     GATEWAY_QUEUED,
     GATEWAY_REJECTED,

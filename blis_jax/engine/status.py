@@ -18,10 +18,11 @@ GATEWAY_REJECTED = 9  # refused by the gateway queue (band or queue full)
 GATEWAY_SHED = 10  # queued, then shed for a more important request
 GATEWAY_EXPIRED = 11  # queued longer than --request-ttl
 ROUTING_REJECTED = 12  # admitted, but no routable instance serves its model (never reached an instance)
+ENCODE_REJECTED = 13  # admitted, its encode decider fired, and no routable encode instance (E/P/D)
 
 STATUS_NAMES = {NOT_ARRIVED: "not_arrived", QUEUED: "queued", RUNNING: "running",
                 COMPLETED: "completed", LENGTH_CAPPED: "length_capped", TIMED_OUT: "timed_out",
                 DROPPED: "dropped", REJECTED: "rejected", GATEWAY_QUEUED: "gateway_queued",
                 GATEWAY_REJECTED: "gateway_rejected", GATEWAY_SHED: "gateway_shed",
                 GATEWAY_EXPIRED: "gateway_expired",
-                ROUTING_REJECTED: "routing_rejected"}
+                ROUTING_REJECTED: "routing_rejected", ENCODE_REJECTED: "encode_routing_rejected"}

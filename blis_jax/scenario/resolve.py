@@ -163,6 +163,10 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
         if isinstance(config.workload, TraceWorkload):
             raise ConfigError(text)
         warn(text)
+    if cluster.encode_ignored:  # in BLIS's "has no effect" form (its own wording unverified)
+        warn(f'{name("cluster.encode_instances")}={cluster.encode_instances} has no effect because '
+             f'{name("cluster.encode_decider")}="never" (no request is encoded; the encode instances stay idle); '
+             f'set {name("cluster.encode_decider")} always or multimodal to enable')
     kind, alpha, beta = _coefficients(d)
     arch = load_model(d.model)  # ids are matched case-insensitively, as BLIS lower-cases them
     hardware, tp = _hardware_and_tp(d, arch.hf_id)

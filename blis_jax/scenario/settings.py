@@ -82,18 +82,20 @@ def _s(key: str, field: str, kind: type, choices=None, aliases: tuple[str, ...] 
 
 def _cluster_choices():
     from blis_jax.cluster.admission import ADMISSION_POLICIES
+    from blis_jax.cluster.encode import ENCODE_DECIDERS
     from blis_jax.cluster.gateway import DISPATCH_ORDERS, FAIRNESS_POLICIES, SATURATION_DETECTORS
     from blis_jax.cluster.pd import PD_DECIDERS
     from blis_jax.cluster.routing import ROUTING_POLICIES
 
-    return ADMISSION_POLICIES, ROUTING_POLICIES, SATURATION_DETECTORS, DISPATCH_ORDERS, FAIRNESS_POLICIES, PD_DECIDERS
+    return (ADMISSION_POLICIES, ROUTING_POLICIES, SATURATION_DETECTORS, DISPATCH_ORDERS, FAIRNESS_POLICIES,
+            PD_DECIDERS, ENCODE_DECIDERS)
 
 
 def _table() -> tuple[Setting, ...]:
     from blis_jax.engine.dims import PREEMPTION_POLICIES, SCHEDULERS
     from blis_jax.cluster.drain import DRAIN_POLICIES
 
-    admission, routing, saturation, dispatch, fairness, pd = _cluster_choices()
+    admission, routing, saturation, dispatch, fairness, pd, encode = _cluster_choices()
     lengths = [_s(f"{kind}-tokens{suffix}", f"workload.{kind}.{part}", typ)
                for kind in ("prompt", "output")
                for suffix, part, typ in (("", "mean", float), ("-stdev", "std", float), ("-min", "min", int),
@@ -158,6 +160,8 @@ def _table() -> tuple[Setting, ...]:
         _s("pd-transfer-contention", "cluster.pd_transfer_contention", bool),
         _s("prefill-routing-scorers", "cluster.prefill_routing_scorers", str),
         _s("decode-routing-scorers", "cluster.decode_routing_scorers", str),
+        _s("encode-instances", "cluster.encode_instances", int),
+        _s("encode-decider", "cluster.encode_decider", str, encode),
         *pools,
         # model, hardware and latency
         _s("model", "deployment.model", str),
