@@ -197,3 +197,47 @@ def test_cli_flags_reach_the_cluster_config():
     assert (config.encode_instances, config.encode_decider) == (1, "multimodal")
     with pytest.raises(UsageError, match="--encode-decider: invalid choice: 'sometimes'"):
         build_parser().parse_args(["run", "--encode-decider", "sometimes"])
+
+
+def test_generated_and_replayed_multimodal_requests_fire_the_decider(tmp_path):
+    """A workload spec's multimodal client (half its requests carry 2 images) and the same
+    requests written as a TraceV2 and read back: the decider fires exactly on those with images."""
+    from blis_jax.workload.generate import generate_requests
+    from blis_jax.workload.tracev2 import TraceHeader, read_trace, write_trace
+
+    const = lambda v: {"type": "constant", "params": {"value": v}}  # noqa: E731
+    mm = {"text_distribution": const(40), "image_distribution": const(500),
+          "image_count_distribution": {"type": "empirical", "params": {"0": 0.5, "2": 0.5}}}
+    spec = {"version": "2", "seed": 11, "aggregate_rate": 20.0, "num_requests": 60,
+            "clients": [{"id": "mm", "rate_fraction": 1.0, "arrival": {"process": "poisson"}, "multimodal": mm,
+                         "output_distribution": const(8)}]}
+    generated = generate_requests(spec)
+    with_images = generated.input_len > 40  # input = text + images
+    assert 0 < with_images.sum() < len(generated)
+    np.testing.assert_array_equal(encode.fires("multimodal", generated), with_images)
+    header_path, data_path = write_trace(tmp_path / "t", TraceHeader(), generated)
+    _, replayed = read_trace(header_path, data_path)
+    np.testing.assert_array_equal(encode.fires("multimodal", replayed), replayed.input_len > 40)
+
+
+def test_least_loaded_encode_decision_draws_from_the_router_stream():
+    """Least-loaded with idle instances ties everywhere: each decision is one Intn(2) of the
+    `router` stream (blis-rng §10.1-10.2). With the encode decider always, the encode draw comes
+    first, so the request's own pick is the second draw of each pair (the reference Go
+    generator, GoRand, gives the expected sequence)."""
+    from blis_jax.rng.go_rand import GoRand
+    from blis_jax.rng.streams import ROUTER, subsystem_seed
+
+    # sparse, short requests: every instance is idle (live signals) at every decision
+    reqs = make_request_set(request_id=np.arange(N), arrival_us=np.arange(N) * 500_000,
+                            input_len=np.full(N, 64), output_len=np.full(N, 4))
+    states = []
+    out = run(reqs, capture=states, num_instances=4, encode_instances=2, encode_decider="always",
+              routing_policy="least-loaded", snapshot_refresh_interval_us=0)
+    go = GoRand(subsystem_seed(42, ROUTER))
+    draws = np.array([go.intn(2) for _ in range(2 * N)])
+    np.testing.assert_array_equal(np.asarray(states[-1].encode_by[:N]), draws[0::2])
+    np.testing.assert_array_equal(out.handled_by, 2 + draws[1::2])
+    plain = run(reqs, num_instances=2, routing_policy="least-loaded", snapshot_refresh_interval_us=0)
+    go = GoRand(subsystem_seed(42, ROUTER))
+    np.testing.assert_array_equal(plain.handled_by, [go.intn(2) for _ in range(N)])

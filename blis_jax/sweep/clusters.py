@@ -99,7 +99,7 @@ class ClusterScenario:
                else (), names(c.decode_routing_scorers) if c.decode_routing_scorers else (),
                c.prefill_decode_instances > 0) if c.pd else None)
         return ("cluster", jax.tree.structure(self.model), self.engine_dims(), c.routing_policy,
-                names(c.routing_scorers) if c.routing_policy == "weighted" else (), type(c.admission()), pd)
+                names(c.routing_scorers) if c.routing_policy == "weighted" else (), type(c.admission()), pd, c.encode)
 
     def simulate(self, slots: int):
         s = self.scenario
