@@ -137,7 +137,6 @@ NOT_YET_SUPPORTED = {
                                    if case["id"][:3] != "G01" else None),
     # tests/reference_offload.py is an eager reference (G03 82/600 exact, G04 39/600; aggregates within 1-5 %)
     "kv_offload_config": "multi-tier KV offload in the engine (issue #24)",
-    "encode_instances": "the encode pool (issue #24)",
 }
 
 
