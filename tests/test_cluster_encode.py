@@ -64,7 +64,7 @@ def conserved(out) -> None:
 
 def test_empty_encode_pool_with_always_rejects_every_request():
     out = run(num_instances=2, encode_decider="always")
-    assert np.all(out.status == so.ENCODE_REJECTED)
+    assert np.all(out.status == so.ENCODE_REJECTED) and np.all(out.encode_by == -1)
     conserved(out)
     counters = anomaly_counters(out, requests())
     assert counters.encode_routing_rejections == N and counters.rejected_routing == 0
@@ -107,7 +107,7 @@ def test_encode_decision_advances_the_round_robin_counter(decider):
     if decider == "always":  # two steps per request: every encode pick is slot 0, every request slot 3
         assert set(want_enc) == {0} and set(want_served) == {3}
     np.testing.assert_array_equal(out.handled_by, want_served)
-    np.testing.assert_array_equal(np.asarray(states[-1].encode_by[:N]), want_enc)
+    np.testing.assert_array_equal(out.encode_by, want_enc)
     assert np.all(so.is_completed(out.status))
     # the encode instances receive nothing: no request, no step
     assert not np.isin(out.handled_by, [0, 1]).any()
@@ -128,7 +128,7 @@ def test_encode_pool_with_pd_pools_takes_the_last_indices_and_a_step_before_deco
     with after_each_chunk(states.append):
         out = simulate_cluster(requests(), params, latency_model(), config,
                                kv_bytes_per_token=kv_bytes_per_token(load_model("meta-llama/llama-3.1-8b-instruct"), 1))
-    np.testing.assert_array_equal(np.asarray(states[-1].encode_by[:N]), [2 + (3 * k) % 2 for k in range(N)])
+    np.testing.assert_array_equal(out.encode_by, [2 + (3 * k) % 2 for k in range(N)])
     assert np.all(out.handled_by == 1) and np.all(so.is_completed(out.status))
     assert np.all(np.asarray(states[-1].instances.steps)[2:] == 0)
 
@@ -142,6 +142,7 @@ def test_encode_instances_without_a_firing_decider_change_nothing(cluster):
     plain = run(reqs, num_instances=2)
     with_pool = run(reqs, num_instances=4, **cluster)
     np.testing.assert_array_equal(with_pool.handled_by, plain.handled_by + 2)
+    assert plain.encode_by is None and np.all(with_pool.encode_by == -1)  # no decision was made
     for field in ("status", "ttft_us", "e2e_us", "itl_sum_us", "sched_delay_us"):
         np.testing.assert_array_equal(getattr(with_pool, field), getattr(plain, field), err_msg=field)
 
@@ -236,7 +237,7 @@ def test_least_loaded_encode_decision_draws_from_the_router_stream():
               routing_policy="least-loaded", snapshot_refresh_interval_us=0)
     go = GoRand(subsystem_seed(42, ROUTER))
     draws = np.array([go.intn(2) for _ in range(2 * N)])
-    np.testing.assert_array_equal(np.asarray(states[-1].encode_by[:N]), draws[0::2])
+    np.testing.assert_array_equal(out.encode_by, draws[0::2])
     np.testing.assert_array_equal(out.handled_by, 2 + draws[1::2])
     plain = run(reqs, num_instances=2, routing_policy="least-loaded", snapshot_refresh_interval_us=0)
     go = GoRand(subsystem_seed(42, ROUTER))

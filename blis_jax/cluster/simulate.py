@@ -874,6 +874,7 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
     fields["status"][np.asarray(host.routing_rejected[:n])] = so.ROUTING_REJECTED
     if host.encode_rejected is not None:
         fields["status"][np.asarray(host.encode_rejected[:n])] = so.ENCODE_REJECTED
+        fields["encode_by"] = np.asarray(host.encode_by[:n])
     if host.gateway is not None:
         fields.update(_gateway_outcomes(fields["status"], host.gateway, n))
     if host.drain is not None:

@@ -117,6 +117,9 @@ class SimOutput:
     # ... and its allocations that failed after reloading blocks from CPU, per instance [I]: BLIS
     # keeps the reloaded prefix held by the waiting request there, blis-jax does not (cpu_tier.py)
     cpu_reload_failures: np.ndarray | None = None
+    # E/P/D (cluster/encode.py): each request's encode routing decision, the encode instance it
+    # chose (-1: none made, or rejected); None without an encode pool or decider
+    encode_by: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():
@@ -140,6 +143,11 @@ class SimOutput:
             if extra.shape != self.ttft_us.shape:
                 raise ConfigError(f"SimOutput.extra_arrivals: shape {extra.shape}, expected {self.ttft_us.shape}")
             object.__setattr__(self, "extra_arrivals", extra)
+        if self.encode_by is not None:
+            encode_by = _frozen(np.asarray(self.encode_by).reshape(-1), np.int32)
+            if encode_by.shape != self.ttft_us.shape:
+                raise ConfigError(f"SimOutput.encode_by: shape {encode_by.shape}, expected {self.ttft_us.shape}")
+            object.__setattr__(self, "encode_by", encode_by)
         self.validate()
 
     @property
@@ -200,6 +208,8 @@ class SimOutput:
             fields["ttft_adjusted_us"] = self.ttft_adjusted_us[rows]
         if self.extra_arrivals is not None:
             fields["extra_arrivals"] = self.extra_arrivals[rows]
+        if self.encode_by is not None:
+            fields["encode_by"] = self.encode_by[rows]
         fields["itl_runs"] = runs
         return SimOutput(**fields)
 
