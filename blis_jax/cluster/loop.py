@@ -520,11 +520,12 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     prefill_router, decode_router = cs.prefill_router, cs.decode_router
     main_routing, main_router, routes_on = cs.routing, cs.router, admitted
     if cd.encode:
-        # E/P/D: the encode decision comes first (the encoder's output feeds the prefill, so BLIS
-        # routes E before P/D; with an empty encode pool the request goes no further), with the
-        # main policy and the `router` stream (blis-rng §10.2): it advances the round-robin
-        # counter / draws a tie-break, shifting the later decisions. It takes zero time and
-        # creates no sub-request, so nothing is injected and the in-flight counts do not move.
+        # E/P/D: the encode decision comes first (a judgment, not read in BLIS's code: the
+        # encoder's output is the prefill's input, so E precedes P/D; with an empty encode pool
+        # the request goes no further), with the main policy and the `router` stream (blis-rng
+        # §10.2): it advances the round-robin counter / draws a tie-break, shifting the later
+        # decisions. It takes zero time and creates no sub-request (§3.10), so nothing is
+        # injected and the in-flight counts do not move.
         new, encode_target, drawn = cs.routing.route(signals.router_state(snapshot, in_flight, encode_pool),
                                                      route_req, cs.router)
         chose = fire & (encode_target >= 0)
@@ -579,13 +580,12 @@ def _decide(cs: ClusterState, cd: ClusterDims, params: EngineParams, cparams: Cl
     )
     target = jnp.where(routes_on, target, -1)
     disaggregated = routes_on & disaggregated
+    n = cs.handled_by.shape[0]
     if cd.encode:
-        n = cs.handled_by.shape[0]
         decided = dataclasses.replace(
             decided,
             encode_rejected=decided.encode_rejected.at[jnp.where(encode_rejected, r, n)].set(True, mode="drop"),
             encode_by=decided.encode_by.at[jnp.where(chose, r, n)].set(encode_target.astype(jnp.int32), mode="drop"))
-    n = cs.handled_by.shape[0]
     slots = jnp.arange(cd.num_instances)
     tr = decided.transfers
     tr = dataclasses.replace(
