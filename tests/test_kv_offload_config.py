@@ -125,8 +125,8 @@ def test_a_tiers_own_figures_override_its_class_field_by_field():
                                saturation_queue_depth=4, single_transfer_fraction=0.5)).tiers[0]
     assert (explicit.read_bandwidth, explicit.write_bandwidth, explicit.base_latency) == (100.0, 50.0, 3.0)
     assert (explicit.saturation_queue_depth, explicit.single_transfer_fraction) == (4, 0.5)
-    assert "device_class" not in to_header_block(parse(good_yaml(device_class=None, read_bandwidth=1,
-                                                                 write_bandwidth=1, base_latency=0)))["secondary_tiers"][0]
+    no_class = parse(good_yaml(device_class=None, read_bandwidth=1, write_bandwidth=1, base_latency=0))
+    assert "device_class" not in to_header_block(no_class)["secondary_tiers"][0]
 
 
 def test_buffered_io_takes_the_buffered_figures_with_fallback():
@@ -453,3 +453,20 @@ def test_thrashing_rate_is_the_mean_of_per_instance_refused_over_attempted():
     # instance rates 0.1, 0 (no attempts), 0.5
     assert kv_cache_metrics(out).thrashing_rate == pytest.approx(0.2)
     assert "KV Thrashing Rate: 0.2000\n" in render_stdout(out, requests)
+
+
+def test_sweeps_batches_and_sensitivity_refuse_the_chain(tmp_path):
+    import types
+
+    from blis_jax.scenario.batch import simulate_batch
+    from blis_jax.sweep.settings import resolve as sweep_resolve
+
+    path = _write_yaml(tmp_path, good_yaml())
+    with pytest.raises(ConfigError, match=r"scenarios\[0\].kv-offload-config: .* not supported in sweeps"):
+        sweep_resolve({"kv-offload-config": str(path), "num-requests": 2}, types.SimpleNamespace(warn=print),
+                      "scenarios[0]")
+    scenario = resolve(ScenarioConfig(deployment=Deployment(kv_offload_config=path, total_kv_blocks=1600)))
+    with pytest.raises(ConfigError, match="scenario 0 has a multi-tier KV offload chain"):
+        simulate_batch([scenario])
+    rc, _, err = _cli("sensitivity", "--kv-offload-config", path, "--num-requests", "2")
+    assert rc != 0 and "--kv-offload-config: sensitivity does not simulate" in err
