@@ -471,12 +471,13 @@ class KVCacheMetrics:
         return bool(self.preemption_rate or self.cache_hit_rate or self.thrashing_rate)
 
 
-def offload_thrashing_rate(out: SimOutput) -> float:
-    """The multi-tier offload chain's KV Thrashing Rate: per instance, promotions refused (the CPU
-    tier had no free or evictable slot) / promotions attempted (0 without attempts), then the
-    mean over instances, as BLIS averages its per-instance rates (blis-features §1.9)."""
-    attempted = np.asarray(out.offload_promotions_attempted, np.int64).reshape(-1)
-    refused = np.asarray(out.offload_promotions_refused, np.int64).reshape(-1)
+def offload_thrashing_rate(counts: Mapping[str, np.ndarray]) -> float:
+    """The multi-tier offload chain's KV Thrashing Rate from its per-instance counters
+    (SimOutput.offload_counts): per instance, promotions refused (the CPU tier had no free or
+    evictable slot) / promotions attempted (0 without attempts), then the mean over instances,
+    as BLIS averages its per-instance rates (blis-features §1.9)."""
+    attempted = np.asarray(counts["promotions_attempted"], np.int64).reshape(-1)
+    refused = np.asarray(counts["promotions_refused"], np.int64).reshape(-1)
     if attempted.size == 0:
         return 0.0
     rates = np.where(attempted > 0, refused / np.maximum(attempted, 1), 0.0)
@@ -492,8 +493,8 @@ def kv_cache_metrics(out: SimOutput, thrashing_rate: float = 0.0) -> KVCacheMetr
     if out.cpu_tier_counts is not None:  # CPU-tier evictions / stores (cluster-wide sums)
         stores, evictions = (int(np.sum(c)) for c in out.cpu_tier_counts[1:])
         thrashing_rate = evictions / stores if stores else 0.0
-    elif out.offload_promotions_attempted is not None:
-        thrashing_rate = offload_thrashing_rate(out)
+    elif getattr(out, "offload_counts", None) is not None:   # the engine's offload chain (engine/offload.py)
+        thrashing_rate = offload_thrashing_rate(out.offload_counts)
     return KVCacheMetrics(preemption_rate=preemptions / completed if completed else 0.0,
                           cache_hit_rate=cache_hit_rate(out), thrashing_rate=float(thrashing_rate))
 

@@ -439,6 +439,16 @@ def test_a_tiered_observed_trace_needs_an_offload_chain(tmp_path):
 # ------------------------------------------------------------------------ thrashing rate
 
 
+def with_offload_counts(out, counts):
+    """`out` carrying the engine chain's counters (SimOutput.offload_counts, engine/offload.py)."""
+    import dataclasses
+
+    if "offload_counts" in {f.name for f in dataclasses.fields(out)}:
+        return dataclasses.replace(out, offload_counts=counts)
+    object.__setattr__(out, "offload_counts", counts)   # a build whose SimOutput lacks the field yet
+    return out
+
+
 def test_thrashing_rate_is_the_mean_of_per_instance_refused_over_attempted():
     from test_metrics import _synthetic
 
@@ -448,8 +458,8 @@ def test_thrashing_rate_is_the_mean_of_per_instance_refused_over_attempted():
 
     requests, out = _synthetic([COMPLETED] * 3, instances=3, handled=np.array([0, 1, 2]))
     assert kv_cache_metrics(out).thrashing_rate == 0.0
-    out = dataclass_copy(out, offload_promotions_attempted=np.array([10, 0, 4]),
-                         offload_promotions_refused=np.array([1, 0, 2]))
+    out = with_offload_counts(out, {"promotions_attempted": np.array([10, 0, 4]),
+                                    "promotions_refused": np.array([1, 0, 2]), "cpu_stores": np.array([5, 5, 5])})
     # instance rates 0.1, 0 (no attempts), 0.5
     assert kv_cache_metrics(out).thrashing_rate == pytest.approx(0.2)
     assert "KV Thrashing Rate: 0.2000\n" in render_stdout(out, requests)

@@ -116,10 +116,6 @@ class SimOutput:
     # ... and its allocations that failed after reloading blocks from CPU, per instance [I]: BLIS
     # keeps the reloaded prefix held by the waiting request there, blis-jax does not (cpu_tier.py)
     cpu_reload_failures: np.ndarray | None = None
-    # multi-tier KV offload chain (engine/offload.py): secondary-tier promotions attempted and
-    # refused (no free or evictable CPU slot) per instance [I]; None without the chain
-    offload_promotions_attempted: np.ndarray | None = None
-    offload_promotions_refused: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():

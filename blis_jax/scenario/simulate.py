@@ -128,7 +128,8 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
                               "on a single instance only for now (without closed-loop sessions); use one instance "
                               "or drop the offload configuration" + _warm_up_note(resolved))
         _check_engine_offload(resolved)
-        settings["offload"] = resolved.offload
+        # the chain's jitter draws come from the run seed's kv-offload stream (blis-rng §10.3)
+        settings.update(offload=resolved.offload, seed=resolved.cluster.seed)
     params, model, requests, views = resolved.params, resolved.latency_model, resolved.requests, None
     if resolved.sessions is not None:
         served = resolved.cluster.served_model
@@ -168,15 +169,15 @@ def _offload_source(resolved) -> str:
 
 
 def _check_engine_offload(resolved) -> None:
-    """The engine's offload chain (engine/offload.py, a keyword `offload` of simulate_instance)
-    may be absent from this build: refuse rather than simulate without it."""
+    """The engine's offload chain (engine/offload.py, keywords `offload` and `seed` of
+    simulate_instance) may be absent from this build: refuse rather than simulate without it."""
     import importlib.util
     import inspect
 
     from blis_jax.engine.simulate import simulate_instance
 
     if (importlib.util.find_spec("blis_jax.engine.offload") is None
-            or "offload" not in inspect.signature(simulate_instance).parameters):
+            or not {"offload", "seed"} <= set(inspect.signature(simulate_instance).parameters)):
         raise ConfigError(f"{_offload_source(resolved)}: the multi-tier KV offload chain is not simulated "
                           "by this build of blis-jax yet (issue #24); drop the offload configuration (or, for a "
                           "replay, the trace header's kv_offload block) to simulate without it")
