@@ -490,11 +490,13 @@ def kv_cache_metrics(out: SimOutput, thrashing_rate: float = 0.0) -> KVCacheMetr
     stores, or the offload chain's refused / attempted promotions."""
     completed = int(out.completed_mask().sum())
     preemptions = int(out.preemption_count.sum())
-    if out.cpu_tier_counts is not None:  # CPU-tier evictions / stores (cluster-wide sums)
+    if getattr(out, "offload_counts", None) is not None:
+        # the offload chain (engine/offload.py), whose CPU staging tier may fill cpu_tier_counts
+        # too: its rate is the promotions', not the legacy tier's evictions / stores
+        thrashing_rate = offload_thrashing_rate(out.offload_counts)
+    elif out.cpu_tier_counts is not None:  # CPU-tier evictions / stores (cluster-wide sums)
         stores, evictions = (int(np.sum(c)) for c in out.cpu_tier_counts[1:])
         thrashing_rate = evictions / stores if stores else 0.0
-    elif getattr(out, "offload_counts", None) is not None:   # the engine's offload chain (engine/offload.py)
-        thrashing_rate = offload_thrashing_rate(out.offload_counts)
     return KVCacheMetrics(preemption_rate=preemptions / completed if completed else 0.0,
                           cache_hit_rate=cache_hit_rate(out), thrashing_rate=float(thrashing_rate))
 

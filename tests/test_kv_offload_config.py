@@ -462,6 +462,12 @@ def test_thrashing_rate_is_the_mean_of_per_instance_refused_over_attempted():
                                     "promotions_refused": np.array([1, 0, 2]), "cpu_stores": np.array([5, 5, 5])})
     # instance rates 0.1, 0 (no attempts), 0.5
     assert kv_cache_metrics(out).thrashing_rate == pytest.approx(0.2)
+    # the chain's CPU staging tier may fill the legacy tier's counters too: its rate stays the promotions'
+    import dataclasses
+
+    legacy = (np.zeros(3, np.int64), np.array([4, 4, 4]), np.array([9, 9, 9]))
+    out = with_offload_counts(dataclasses.replace(out, cpu_tier_counts=legacy), out.offload_counts)
+    assert kv_cache_metrics(out).thrashing_rate == pytest.approx(0.2)
     assert "KV Thrashing Rate: 0.2000\n" in render_stdout(out, requests)
 
 
