@@ -475,12 +475,30 @@ class KVCacheMetrics:
         return bool(self.preemption_rate or self.cache_hit_rate or self.thrashing_rate)
 
 
+def offload_thrashing_rate(counts: Mapping[str, np.ndarray]) -> float:
+    """The multi-tier offload chain's KV Thrashing Rate from its per-instance counters
+    (SimOutput.offload_counts): per instance, promotions refused (the CPU tier had no free or
+    evictable slot) / promotions attempted (0 without attempts), then the mean over instances,
+    as BLIS averages its per-instance rates (blis-features §1.9)."""
+    attempted = np.asarray(counts["promotions_attempted"], np.int64).reshape(-1)
+    refused = np.asarray(counts["promotions_refused"], np.int64).reshape(-1)
+    if attempted.size == 0:
+        return 0.0
+    rates = np.where(attempted > 0, refused / np.maximum(attempted, 1), 0.0)
+    return float(rates.mean())
+
+
 def kv_cache_metrics(out: SimOutput, thrashing_rate: float = 0.0) -> KVCacheMetrics:
     """Preemption rate = preemptions / completed; hit rate averaged over instances;
-    thrashing (CPU-tier evictions / stores) comes from a tiered KV store when one exists."""
+    thrashing comes from a tiered KV store when one exists: the legacy CPU tier's evictions /
+    stores, or the offload chain's refused / attempted promotions."""
     completed = int(out.completed_mask().sum())
     preemptions = int(out.preemption_count.sum())
-    if out.cpu_tier_counts is not None:  # CPU-tier evictions / stores (cluster-wide sums)
+    if getattr(out, "offload_counts", None) is not None:
+        # the offload chain (engine/offload.py), whose CPU staging tier may fill cpu_tier_counts
+        # too: its rate is the promotions', not the legacy tier's evictions / stores
+        thrashing_rate = offload_thrashing_rate(out.offload_counts)
+    elif out.cpu_tier_counts is not None:  # CPU-tier evictions / stores (cluster-wide sums)
         stores, evictions = (int(np.sum(c)) for c in out.cpu_tier_counts[1:])
         thrashing_rate = evictions / stores if stores else 0.0
     return KVCacheMetrics(preemption_rate=preemptions / completed if completed else 0.0,

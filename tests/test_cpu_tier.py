@@ -94,22 +94,6 @@ def test_reload_time():
     assert cpu_tier.reload_time_us(16, 100.0, 0) == 1   # BLIS defaults: ceil(0.16)
 
 
-def test_replay_of_a_kv_offload_header_is_an_error(tmp_path):
-    """BLIS replays a header's multi-tier offload chain; blis-jax must not silently drop it."""
-    from blis_jax import ScenarioConfig, TraceWorkload, resolve
-    from blis_jax.errors import ConfigError
-    from blis_jax.workload.tracev2 import TraceHeader, write_trace
-
-    requests = make_request_set(request_id=np.arange(2), arrival_us=np.array([0, 10]), input_len=np.array([8, 8]),
-                                output_len=np.array([2, 2]))
-    header = TraceHeader(extra={"kv_offload": {"cpu_bytes_to_use": 1 << 30, "per_block_bytes": 1 << 20}})
-    yaml_path, csv_path = write_trace(tmp_path / "t", header, requests)
-    with pytest.raises(ConfigError, match="kv_offload"):
-        resolve(ScenarioConfig(workload=TraceWorkload(header=yaml_path, data=csv_path)))
-    plain_yaml, plain_csv = write_trace(tmp_path / "plain", TraceHeader(), requests)
-    assert len(resolve(ScenarioConfig(workload=TraceWorkload(header=plain_yaml, data=plain_csv))).requests) == 2
-
-
 def test_cpu_tier_settings_are_validated():
     from blis_jax.errors import ConfigError
     from blis_jax.scenario.config import Deployment

@@ -103,7 +103,7 @@ def test_goodput_targets_in_header_c01():
 
 
 @needs_reference
-@pytest.mark.parametrize("case", params_with_known_failures(CASES, {"G03", "G04"}))  # header kv_offload block
+@pytest.mark.parametrize("case", params_with_known_failures(CASES, set()))
 def test_round_trip_is_byte_identical(case: Path, tmp_path: Path):
     header, requests = _read(case)
     yaml_path, csv_path = write_trace(tmp_path / "trace", header, requests)

@@ -278,6 +278,10 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="CPU tier reload bandwidth (default 100)")
     g.add_argument("--kv-transfer-base-latency", type=int, default=0, metavar="US",
                    help="CPU tier fixed cost per reloaded block (default 0)")
+    g.add_argument("--kv-offload-config", default=None, metavar="FILE",
+                   help="multi-tier KV offload YAML (top-level kv_offload:): a CPU staging tier and fs tiers "
+                        "(one instance; mutually exclusive with --kv-cpu-blocks; a replayed trace's kv_offload "
+                        "header block takes precedence)")
 
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--lora-config", default=None, metavar="FILE",

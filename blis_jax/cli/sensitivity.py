@@ -69,6 +69,9 @@ def _validate(args) -> tuple[tuple[str, ...], float]:
     if args.num_instances != 1:
         raise ConfigError(f"--num-instances {args.num_instances}: sensitivity differentiates one instance; "
                           "use --num-instances 1")
+    if getattr(args, "kv_offload_config", None) is not None:   # its traced simulation has no offload chain
+        raise ConfigError("--kv-offload-config: sensitivity does not simulate the multi-tier KV offload chain; "
+                          "drop it (use `blis-jax run` for this scenario)")
     app._check_output_paths(args)
     app._check_output_file("--output", args.output)
     return metrics, float(args.fd_step)

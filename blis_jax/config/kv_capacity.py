@@ -42,6 +42,12 @@ def kv_bytes_per_token(arch: ModelArch, tp: int) -> float:
     return arch.num_layers * 2 * arch.capacity_head_dim * arch.num_kv_heads * b / tp
 
 
+def kv_block_bytes(arch: ModelArch, tp: int, block_size: int) -> int:
+    """Per-GPU KV bytes of one block (whole bytes): what auto-sizing divides the KV budget by, and
+    the multi-tier offload's `per_block_bytes` (Llama-3.1-8B TP1, 16 tokens: 16 x 131072)."""
+    return int(kv_bytes_per_token(arch, tp) * block_size)
+
+
 def _overhead_gib(arch, tp, activation_gib, non_torch_gib, lora_reserve_gib) -> float:
     activation = activation_gib if activation_gib is not None else (8.0 if arch.is_moe else 5.5)
     non_torch = non_torch_gib if non_torch_gib is not None else (0.15 if tp == 1 else 0.6 * tp)
@@ -117,7 +123,7 @@ def auto_kv_blocks(
             f"({_overhead_gib(arch, tp, activation_gib, non_torch_gib, lora_reserve_gib):.2f} GiB) "
             f"do not fit in {gpu.memory_gib * gpu_memory_utilization * tp:.2f} GiB; {hint}"
         )
-    block_bytes = int(kv_bytes_per_token(arch, tp) * block_size)
+    block_bytes = kv_block_bytes(arch, tp, block_size)
     if block_bytes <= 0:
         raise ConfigError(f"model {name!r}: KV bytes per block is 0; check the architecture")
     blocks = int(budget(tp) * GIB) // block_bytes

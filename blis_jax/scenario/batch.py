@@ -36,6 +36,9 @@ def _lane(index: int, scenario: ResolvedScenario):
     if scenario.cpu_tier is not None:
         raise ConfigError(f"simulate_batch: scenario {index} has a CPU KV tier, which batches do not simulate yet; "
                           "simulate it with `simulate`")
+    if scenario.offload is not None:
+        raise ConfigError(f"simulate_batch: scenario {index} has a multi-tier KV offload chain, which batches do not "
+                          "simulate yet; simulate it with `simulate`")
     settings = dict(requests=scenario.requests, params=scenario.params, model=scenario.latency_model,
                     block_size=scenario.block_size, scheduler=scenario.scheduler,
                     preemption_policy=scenario.preemption_policy)

@@ -75,6 +75,9 @@ class Deployment:
     kv_offload_threshold: float = 0.9
     kv_transfer_bandwidth: float = 100.0
     kv_transfer_base_latency: int = 0
+    # BLIS's multi-tier KV offload chain (config/kv_offload.py): its YAML, None = none. A
+    # replayed trace's header block replaces it (the header is authoritative)
+    kv_offload_config: str | Path | None = None
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 0
     prefill_hardware: str | None = None
@@ -109,6 +112,15 @@ class Deployment:
                                   f"(leave it unset to use {name('deployment.tp')})")
         _check_int("deployment.kv_cpu_blocks", self.kv_cpu_blocks, 0, limits.MAX_KV_BLOCKS, " blocks")
         _check_int("deployment.kv_transfer_base_latency", self.kv_transfer_base_latency, 0)
+        if self.kv_offload_config is not None:
+            if not isinstance(self.kv_offload_config, (str, Path)) or not str(self.kv_offload_config).strip():
+                raise ConfigError(f"{name('deployment.kv_offload_config')}: give the path of a multi-tier KV offload "
+                                  "YAML (top-level kv_offload:), or leave it unset")
+            if _is_int(self.kv_cpu_blocks) and self.kv_cpu_blocks > 0:
+                # BLIS: the two CPU tiers are mutually exclusive (blis-features §1.1)
+                raise ConfigError(f"{name('deployment.kv_cpu_blocks')} and {name('deployment.kv_offload_config')} "
+                                  "both set: the legacy CPU tier and the multi-tier offload chain are mutually "
+                                  f"exclusive; drop one (the chain's CPU tier is its cpu_bytes_to_use)")
         bw = self.kv_transfer_bandwidth
         if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
             raise ConfigError(f"{name('deployment.kv_transfer_bandwidth')} {bw!r}: must be a finite number > 0")

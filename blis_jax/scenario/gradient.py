@@ -99,6 +99,9 @@ def fixed_schedule_metrics(scenario: ScenarioConfig | ResolvedScenario,
     if resolved.cpu_tier is not None:
         raise ConfigError(f"{name('deployment.kv_cpu_blocks')}: the schedule model does not include the CPU KV tier; "
                           "drop it to differentiate")
+    if resolved.offload is not None:
+        raise ConfigError(f"{name('deployment.kv_offload_config')}: the schedule model does not include the "
+                          "multi-tier KV offload chain; drop it to differentiate")
     model = resolved.latency_model
     if model.kind != "trained-physics" or model.num_betas < 10:
         why = ("roofline is not linear in coefficients" if model.kind != "trained-physics"

@@ -18,7 +18,8 @@ from blis_jax.cluster import node_pools as infra
 from blis_jax.cluster.deployments import PoolDeployment
 from blis_jax.cluster.simulate import ClusterConfig, unservable_models
 from blis_jax.config import auto_kv_blocks, auto_max_model_len, load_coefficients, load_gpu, load_model
-from blis_jax.config.kv_capacity import kv_bytes_per_token
+from blis_jax.config.kv_capacity import kv_block_bytes, kv_bytes_per_token
+from blis_jax.config.kv_offload import from_header_block, load_offload_config, to_header_block
 from blis_jax.errors import ConfigError
 from blis_jax.scenario.config import (
     DEFAULT_HARDWARE,
@@ -77,6 +78,7 @@ class ResolvedScenario:
     sessions: object | None = None          # SessionLinks of closed-loop sessions, else None
     lora: object | None = None              # engine.lora.LoraConfig, None without adapters
     cpu_tier: object | None = None          # engine.cpu_tier.CpuTier, None without a CPU KV tier
+    offload: object | None = None           # config.kv_offload.OffloadConfig, None without the offload chain
     header: TraceHeader = TraceHeader()
     goodput_targets: Mapping | None = None
     startup: infra.StartupInstances | None = None  # node pools: the placed startup instances
@@ -185,7 +187,7 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
         long_prefill_token_threshold=e.long_prefill_token_threshold, scheduler=e.scheduler,
         preemption_policy=e.preemption_policy, horizon_us=horizon_us, cluster=cluster,
         kv_bytes_per_token=kv_bytes_per_token(arch, tp), prefill_pool=pools["prefill"], decode_pool=pools["decode"],
-        startup=startup, lora=lora, cpu_tier=_cpu_tier(d))
+        startup=startup, lora=lora, cpu_tier=_cpu_tier(d), offload=_offload(d, arch, tp))
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -223,7 +225,7 @@ def _resolve_synthetic(config: ScenarioConfig, w: SyntheticWorkload, warn: Warn)
     resolved = resolve_deployment(config, horizon_us=config.horizon_us, warn=warn)
     requests = generate_distribution(workload, config.effective_seed)
     _check_some_requests(requests)
-    header = TraceHeader(mode="generated", workload_seed=config.effective_seed)
+    header = _with_offload_block(TraceHeader(mode="generated", workload_seed=config.effective_seed), resolved.offload)
     return dataclasses.replace(resolved, requests=requests, header=header)
 
 
@@ -242,8 +244,8 @@ def _resolve_spec(config: ScenarioConfig, w: SpecWorkload, warn: Warn) -> Resolv
         requests, sessions = closed_loop_requests(generated)
     _check_some_requests(requests)
     # a spec's goodput targets go into the header and the metrics, as in BLIS
-    header = TraceHeader(mode="generated", workload_seed=config.effective_seed,
-                         goodput_slo_targets=spec.goodput_slo_targets)
+    header = _with_offload_block(TraceHeader(mode="generated", workload_seed=config.effective_seed,
+                                             goodput_slo_targets=spec.goodput_slo_targets), resolved.offload)
     return dataclasses.replace(resolved, requests=requests, sessions=sessions, header=header,
                                goodput_targets=spec.goodput_slo_targets)
 
@@ -254,15 +256,50 @@ def _resolve_trace(config: ScenarioConfig, w: TraceWorkload, warn: Warn) -> Reso
     header, requests = read_trace(w.header, w.data)
     if len(requests) == 0:
         raise ConfigError(f"{name('workload.data')} {w.data}: no request records; the CSV has only a header row")
-    if header.extra.get("kv_offload") is not None:
-        # BLIS replays the header's offload chain; results without it would be silently wrong
-        raise ConfigError(f"{name('workload.header')} {w.header}: the kv_offload block (multi-tier KV offload, "
-                          "BLIS --kv-offload-config) is not simulated by blis-jax yet (issue #24); remove the block "
-                          "to replay the trace without offload")
+    block = header.extra.get("kv_offload")
+    header_offload = None
+    if block is not None:
+        # BLIS replays the header's resolved offload chain (blis-features §1.2: it is authoritative)
+        header_offload = from_header_block(block, f"{name('workload.header')} {w.header}: kv_offload")
+        d = config.deployment
+        if d.kv_cpu_blocks:
+            raise ConfigError(f"{name('deployment.kv_cpu_blocks')}: the trace header's kv_offload block configures "
+                              "the multi-tier offload chain, which excludes the legacy CPU tier; drop "
+                              f"{name('deployment.kv_cpu_blocks')}")
+        if d.kv_offload_config is not None:
+            warn(f"{name('deployment.kv_offload_config')} {d.kv_offload_config} ignored: the trace header "
+                 f"{w.header} has a kv_offload block, which BLIS's replay takes instead (the header is authoritative)")
+            config = dataclasses.replace(config, deployment=dataclasses.replace(d, kv_offload_config=None))
+        if header_offload.block_size != d.block_size:
+            raise ConfigError(f"{name('workload.header')} {w.header}: kv_offload.block_size "
+                              f"{header_offload.block_size} differs from {name('deployment.block_size')} "
+                              f"{d.block_size}; replay with {name('deployment.block_size')} "
+                              f"{header_offload.block_size}, the generating run's")
     limits.check_requests(len(requests), "replay a part of the trace")
     resolved = resolve_deployment(config, horizon_us=replay_horizon(config.horizon_us, requests), warn=warn)
-    return dataclasses.replace(resolved, requests=requests, header=dataclasses.replace(header, mode="replayed"),
-                               goodput_targets=header.goodput_slo_targets)
+    if header_offload is not None:
+        own = int(resolved.kv_bytes_per_token * resolved.block_size)
+        if own != header_offload.per_block_bytes:
+            warn(f"{name('workload.header')} {w.header}: kv_offload.per_block_bytes {header_offload.per_block_bytes} "
+                 f"is not this deployment's KV bytes per block ({own}, {resolved.model_id} at TP {resolved.tp}); the "
+                 "header's figure sizes the CPU tier, as in BLIS")
+        resolved = dataclasses.replace(resolved, offload=header_offload)
+    observed = header.extra.get("observed_kv_metrics")
+    if isinstance(observed, Mapping) and observed.get("source") == "tiered" and resolved.offload is None:
+        # BLIS: an observed trace of a tiered (offloading) server needs the offload chain to replay
+        raise ConfigError(f"{name('workload.header')} {w.header}: observed_kv_metrics come from a tiered KV store "
+                          f"(source: tiered) but no offload chain is configured; give "
+                          f"{name('deployment.kv_offload_config')} (or a kv_offload block in the header)")
+    header = _with_offload_block(dataclasses.replace(header, mode="replayed"), resolved.offload)
+    return dataclasses.replace(resolved, requests=requests, header=header, goodput_targets=header.goodput_slo_targets)
+
+
+def _with_offload_block(header: TraceHeader, offload) -> TraceHeader:
+    """The header with the resolved offload chain as its kv_offload block (BLIS writes it with
+    --trace-output), or as it was without one."""
+    if offload is None:
+        return header
+    return dataclasses.replace(header, extra={**header.extra, "kv_offload": to_header_block(offload)})
 
 
 def replay_horizon(horizon_us: int | None, requests: RequestSet) -> int | None:
@@ -332,6 +369,15 @@ def _cpu_tier(d: Deployment):
 
     return CpuTier(blocks=d.kv_cpu_blocks, bandwidth=float(d.kv_transfer_bandwidth),
                    base_latency_us=int(d.kv_transfer_base_latency))
+
+
+def _offload(d: Deployment, arch, tp: int):
+    """The multi-tier offload chain of `deployment.kv_offload_config`, None without one; its CPU
+    tier counts blocks of this model's KV bytes per GPU block at this TP."""
+    if d.kv_offload_config is None:
+        return None
+    return load_offload_config(d.kv_offload_config, kv_block_bytes(arch, tp, d.block_size), d.block_size,
+                               source=f"{name('deployment.kv_offload_config')} {d.kv_offload_config}")
 
 
 def _kv_blocks(d: Deployment, arch, gpu, tp: int, warn: Warn, lora_reserve_gib: float = 0.0) -> int:

@@ -75,6 +75,9 @@ def resolve(settings: Mapping[str, Any], diag, where: str) -> ResolvedScenario:
     if resolved.cpu_tier is not None:
         raise ConfigError(f"{where}.kv-cpu-blocks: the CPU KV tier is not supported in sweeps yet; use `blis-jax run` "
                           "for this scenario")
+    if resolved.offload is not None:
+        raise ConfigError(f"{where}.kv-offload-config: the multi-tier KV offload chain is not supported in sweeps "
+                          "yet; use `blis-jax run` for this scenario")
     if resolved.sessions is not None:
         raise ConfigError(f"{where}.workload-spec: closed-loop sessions (their rounds arrive during the run) are not "
                           "supported in sweeps yet; use `blis-jax run` for this workload")

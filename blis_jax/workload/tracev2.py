@@ -356,8 +356,29 @@ def write_trace(prefix: str | Path, header: TraceHeader, requests: RequestSet,
 
 def format_header(header: TraceHeader) -> str:
     # Go's yaml.v3 indents nested mappings by 4 spaces and keeps struct-field order.
-    return yaml.safe_dump(header.to_dict(), sort_keys=False, indent=4, default_flow_style=False,
-                          allow_unicode=True)
+    return _go_sequences(yaml.safe_dump(header.to_dict(), sort_keys=False, indent=4, default_flow_style=False,
+                                        allow_unicode=True))
+
+
+_ITEM = re.compile(r"( *)- {1,3}(.*)")
+
+
+def _go_sequences(text: str) -> str:
+    """PyYAML's block sequences as Go's yaml.v3 writes them (the kv_offload block's tiers): the
+    dash indented 4 under its key, the item's keys 2 after the dash —
+    `key:` / `    - a: 1` / `      b: 2` rather than `key:` / `-   a: 1` / `    b: 2`."""
+    lines, items = [], []   # items: the dash columns (PyYAML's) of the enclosing sequence items
+    for line in text.split("\n"):
+        indent = len(line) - len(line.lstrip(" "))
+        item = _ITEM.fullmatch(line)
+        while items and line.strip() and (indent < items[-1] + 4 or (item and indent == items[-1])):
+            items.pop()
+        if item:
+            lines.append(" " * (indent + 2 * len(items) + 4) + "- " + item.group(2))
+            items.append(indent)
+        else:
+            lines.append(" " * (2 * len(items)) + line if line.strip() else line)
+    return "\n".join(lines)
 
 
 def trace_column_order(requests: RequestSet) -> list[str]:
