@@ -116,6 +116,10 @@ class SimOutput:
     # ... and its allocations that failed after reloading blocks from CPU, per instance [I]: BLIS
     # keeps the reloaded prefix held by the waiting request there, blis-jax does not (cpu_tier.py)
     cpu_reload_failures: np.ndarray | None = None
+    # multi-tier KV offload chain (engine/offload.py): counters per instance [I] by name:
+    # promotions_attempted / _refused (KV Thrashing Rate = refused / attempted), promotions_done,
+    # promotion_blocks, cpu_stores, cpu_evictions, store_skips, cpu_reloads, writes, writes_done
+    offload_counts: dict | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():

@@ -221,6 +221,8 @@ class EngineState(eqx.Module):
     coasted_steps: Int64[Array, ""]  # of those, run inside decode runs (coast.py)
     events: Int64[Array, ""]
     result: Int32[Array, ""]
+    # multi-tier KV offload chain (offload.OffloadState); None without one (nothing traced)
+    off: object = None
 
 
 def init_state(
