@@ -187,9 +187,10 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
     def wants_more(c, ops):
         params, _, active, preempted = ops
         state, budget, stop, cursor = c
-        # with an offload chain the scan goes past deferred requests (offload.py): while any is left
-        waiting = offload.cursor_valid(state, cursor) if dims.offload else state.wait_len > 0
-        return (active & ~stop & ~preempted & (state.batch_len < params.max_num_seqs) & waiting
+        if dims.offload:  # the scan goes past deferred requests (offload.py): while any is left
+            return (active & ~stop & ~preempted & (state.batch_len < params.max_num_seqs)
+                    & offload.cursor_valid(state, cursor) & (budget > 0))
+        return (active & ~stop & ~preempted & (state.batch_len < params.max_num_seqs) & (state.wait_len > 0)
                 & (budget > 0))
 
     def cond(c, ops):

@@ -38,7 +38,13 @@ _NAMES = {
 }
 
 GROWABLE = (ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL | WINDOW_FULL | STEP_LOG_FULL | RUN_LOG_FULL
-            | INBOX_FULL | TRANSFERS_FULL | GATEWAY_FULL | BATCH_FULL | SCALING_FULL | OFFLOAD_FULL)
+            | INBOX_FULL | TRANSFERS_FULL | GATEWAY_FULL | BATCH_FULL | SCALING_FULL)
+
+
+def growable(state) -> int:
+    """The bits that stop an instance's loop for a rerun: GROWABLE, and OFFLOAD_FULL with an offload
+    chain (a separate constant so that programs without one stay as they were)."""
+    return GROWABLE | OFFLOAD_FULL if getattr(state, "off", None) is not None else GROWABLE
 
 
 def describe(code: int) -> str:

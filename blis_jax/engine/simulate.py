@@ -108,7 +108,7 @@ def _body(state: EngineState, dims, params, req, model, active=True, until=INF_T
     def before_step(s, ops):
         params, req, _, lane_active, until = ops
         kind, time = events.next_event(s, req)
-        return lane_active & (kind != events.STEP) & _due(time, params, until) & ((s.result & results.GROWABLE) == 0)
+        return lane_active & (kind != events.STEP) & _due(time, params, until) & ((s.result & results.growable(s)) == 0)
 
     def other_event(s, ops, on):
         params, req, model, _, _ = ops
@@ -121,7 +121,7 @@ def _body(state: EngineState, dims, params, req, model, active=True, until=INF_T
     until = jnp.asarray(until, jnp.int64)
     state = masked_while(before_step, other_event, state, (params, req, model, jnp.asarray(active), until))
     kind, time = events.next_event(state, req)
-    go = active & (kind == events.STEP) & _due(time, params, until) & ((state.result & results.GROWABLE) == 0)
+    go = active & (kind == events.STEP) & _due(time, params, until) & ((state.result & results.growable(state)) == 0)
     state = events.step(state, dims, params, req, model, go, until)
     return dataclasses.replace(state, events=state.events + go)
 
@@ -133,7 +133,7 @@ def _due(time, params: EngineParams, until=INF_TIME):
 def finished(state: EngineState, params: EngineParams, req: RequestArrays, until=INF_TIME):
     """No event left before `until` and the horizon (or a buffer overflowed)."""
     _, time = events.next_event(state, req)
-    return ~_due(time, params, until) | ((state.result & results.GROWABLE) != 0)
+    return ~_due(time, params, until) | ((state.result & results.growable(state)) != 0)
 
 
 def run_until(dims: EngineDims, state: EngineState, params, req, model, event_limit, until=INF_TIME) -> EngineState:

@@ -52,10 +52,9 @@ def _skip_gone(state: EngineState) -> EngineState:
     # closure: a closure capture of `status` would make XLA copy that per-request array.
     def gone(s, _):
         slot = s.fifo_head & (s.win_status.shape[0] - 1)
-        left = s.win_status[slot] != QUEUED
         if s.off is not None:  # an offload chain's skip-scan admits past the head (offload.py)
-            left = left | s.off.taken[slot]
-        return (s.fifo_head < s.enq_pos) & left
+            return (s.fifo_head < s.enq_pos) & ((s.win_status[slot] != QUEUED) | s.off.taken[slot])
+        return (s.fifo_head < s.enq_pos) & (s.win_status[slot] != QUEUED)
 
     def passed(s, _, on):
         if s.off is not None:   # the entry is behind the head now: clear its mark for the next use of the slot
