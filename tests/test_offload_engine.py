@@ -241,3 +241,33 @@ def test_figures_of_the_chain_do_not_recompile():
     assert sim.compiled_programs() == before
     # the figures do change the run
     assert len({tuple(o.ttft_us.tolist()) for o in outs}) >= 3
+
+
+@pytest.mark.slow  # compiles the whole run once plain and once vmapped (~60 s on 2 cores)
+def test_vmap_lanes_are_single_runs():
+    """Two lanes of one program (different write bandwidths and jitter) give each lane's own run."""
+    from blis_jax.engine import cpu_tier, offload
+
+    requests = _requests(n=40)
+    model = latency_model()
+    configs = [_config(dataclasses.replace(TIER, latency_jitter_stddev=0.3)),
+               _config(dataclasses.replace(TIER, write_bandwidth=2.0, latency_jitter_stddev=0.1))]
+    dims = sim.with_offload(sim.choose_dims(
+        input_len=requests.input_len, output_len=requests.output_len, prefix_group=requests.prefix_group,
+        prefix_len=requests.prefix_len, max_num_seqs=6, max_num_batched_tokens=256, total_kv_blocks=40,
+        block_size=16), configs[0])
+    req = sim.request_arrays(requests, dims)
+    lanes = [dataclasses.replace(params_from(SETTINGS), off=offload.make_params(oc, dims, 5),
+                                 cpu=cpu_tier.CpuTierParams(capacity=jnp.int64(12), reload_us=jnp.int64(0)))
+             for oc in configs]
+    run = jax.jit(sim.run_to_end, static_argnums=0)
+    single = [jax.device_get(run(dims, p, req, model)) for p in lanes]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *lanes)
+    both = jax.device_get(jax.jit(jax.vmap(sim.run_to_end, in_axes=(None, 0, None, None)), static_argnums=0)(
+        dims, stacked, req, model))
+    assert not np.array_equal(single[0].out_ttft, single[1].out_ttft)
+    for k, s in enumerate(single):
+        assert int(s.result) == 0
+        for name in ("out_ttft", "out_e2e", "kv_hits", "cpu_stores"):
+            assert np.array_equal(np.asarray(getattr(both, name))[k], np.asarray(getattr(s, name))), name
+        assert int(both.off.writes[k]) == int(s.off.writes) and int(both.off.attempted[k]) == int(s.off.attempted)

@@ -356,14 +356,14 @@ def _store_request(state, dims: EngineDims, params: OffloadParams, req, r, upto,
 
     def body(c, ops, on):
         off, k, full = c
-        keys, order, now = ops
+        keys, order, now, params = ops
         off, _, overflow = submit(off, dims, params, now, (k % t).astype(jnp.int32), WRITE, params.block_bytes,
                                   keys[order[k // t]], on)
         return off, k + on, full | overflow
 
     off, _, full = masked_while(lambda c, ops: (c[1] < ops[0]) & ~c[2],
                                 lambda c, ops, on: body(c, ops[1:], on),
-                                (state.off, jnp.int64(0), jnp.asarray(False)), (n_jobs, keys, order, state.now))
+                                (state.off, jnp.int64(0), jnp.asarray(False)), (n_jobs, keys, order, state.now, params))
     off = dataclasses.replace(off, stored=off.stored.at[jnp.where(go, r, dims.num_requests)].set(upto, mode="drop"),
                               store_skips=off.store_skips + skip, writes=off.writes + n_jobs)
     return dataclasses.replace(state, off=off, cpu_stores=state.cpu_stores + jnp.where(go, n_fresh, 0),
@@ -378,14 +378,15 @@ def after_execution(state, dims: EngineDims, params, req, active):
 
     def body(c, ops, on):
         state, i = c
-        params, req = ops
+        params, req, _ = ops
         row = jnp.maximum(state.batch_rows[i], 0)
         r = jnp.maximum(state.row_req[row], 0)
         upto = jnp.minimum(state.row_progress[row], req.input_len[r]) // dims.block_size
         state = _store_request(state, dims, params.off, req, r, upto, on & (upto > state.off.stored[r]))
         return state, i + on
 
-    return masked_while(lambda c, ops: active & (c[1] < c[0].batch_len), body, (state, jnp.int32(0)), (params, req))[0]
+    return masked_while(lambda c, ops: ops[2] & (c[1] < c[0].batch_len), body, (state, jnp.int32(0)),
+                        (params, req, jnp.asarray(active)))[0]
 
 
 # ----------------------------------------------------------------------------- batch formation
