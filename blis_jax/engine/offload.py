@@ -375,18 +375,23 @@ def after_execution(state, dims: EngineDims, params, req, active):
     (As the reference: a request's computed prompt blocks, its decode blocks not even with
     offload_prompt_only off.)"""
     state = poll(state, dims, active)
+    # the requests with new prompt blocks, in batch order: the loop visits only those (most of a
+    # batch is decoding, and a store's slot search is O(CPU slots))
+    slots = jnp.arange(dims.batch_slots)
+    rows = jnp.maximum(state.batch_rows, 0)
+    r = jnp.maximum(state.row_req[rows], 0)
+    upto = jnp.minimum(state.row_progress[rows], req.input_len[r]) // dims.block_size
+    new = active & (slots < state.batch_len) & (upto > state.off.stored[r])
+    order = jnp.nonzero(new, size=dims.batch_slots, fill_value=0)[0]
 
     def body(c, ops, on):
-        state, i = c
-        params, req, _ = ops
-        row = jnp.maximum(state.batch_rows[i], 0)
-        r = jnp.maximum(state.row_req[row], 0)
-        upto = jnp.minimum(state.row_progress[row], req.input_len[r]) // dims.block_size
-        state = _store_request(state, dims, params.off, req, r, upto, on & (upto > state.off.stored[r]))
-        return state, i + on
+        state, k = c
+        params, req, order, r, upto, _ = ops
+        i = order[k]
+        return _store_request(state, dims, params.off, req, r[i], upto[i], on), k + on
 
-    return masked_while(lambda c, ops: ops[2] & (c[1] < c[0].batch_len), body, (state, jnp.int32(0)),
-                        (params, req, jnp.asarray(active)))[0]
+    return masked_while(lambda c, ops: c[1] < ops[-1], body, (state, jnp.int32(0)),
+                        (params, req, order, r, upto, jnp.sum(new).astype(jnp.int32)))[0]
 
 
 # ----------------------------------------------------------------------------- batch formation
