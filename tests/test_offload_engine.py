@@ -271,3 +271,72 @@ def test_vmap_lanes_are_single_runs():
         for name in ("out_ttft", "out_e2e", "kv_hits", "cpu_stores"):
             assert np.array_equal(np.asarray(getattr(both, name))[k], np.asarray(getattr(s, name))), name
         assert int(both.off.writes[k]) == int(s.off.writes) and int(both.off.attempted[k]) == int(s.off.attempted)
+
+
+def test_service_time_is_the_reference_s():
+    """The engine's service time against the reference's, over ramps, depths, sizes and draws."""
+    from blis_jax.engine import offload
+    from reference_offload import Tier, service_us
+
+    class Fixed:
+        def __init__(self, value):
+            self.value = value
+
+        def norm_float64(self):
+            return self.value
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        tier = OffloadTier(n_read_threads=int(rng.integers(1, 9)), n_write_threads=int(rng.integers(1, 9)),
+                           read_bandwidth=float(rng.uniform(0.5, 9000)), write_bandwidth=float(rng.uniform(0.5, 9000)),
+                           base_latency=float(rng.choice([0.0, 80.0, rng.uniform(0, 500)])),
+                           saturation_queue_depth=int(rng.integers(1, 9)),
+                           single_transfer_fraction=float(rng.choice([1.0, rng.uniform(0.05, 1)])),
+                           latency_jitter_stddev=float(rng.choice([0.0, rng.uniform(0, 1.5)])))
+        oc = OffloadConfig(cpu_bytes_to_use=10, per_block_bytes=1, tiers=(tier,))
+        dims = dataclasses.replace(sim.choose_dims(input_len=np.array([1]), output_len=np.array([1]),
+                                                   prefix_group=np.array([-1]), prefix_len=np.array([0]),
+                                                   max_num_seqs=1, max_num_batched_tokens=16, total_kv_blocks=16,
+                                                   block_size=16), offload_draws=0)
+        params = offload.make_params(oc, dims, 0)
+        nbytes, depth, draw = int(rng.integers(1, 1 << 27)), int(rng.integers(1, 12)), float(rng.normal())
+        for kind, read in ((offload.READ, True), (offload.WRITE, False)):
+            ref_tier = Tier(**{f: getattr(tier, f) for f in Tier.__dataclass_fields__})
+            want = service_us(ref_tier, nbytes, read, depth, Fixed(draw))
+            got = int(offload.service_us(params, 0, kind, jnp.float64(nbytes), jnp.int64(depth), jnp.float64(draw)))
+            assert got == want, (tier, nbytes, depth, draw, read)
+
+
+def test_jitter_draws_are_the_kv_offload_stream():
+    from blis_jax.engine import offload
+    from blis_jax.rng.streams import PartitionedRNG
+
+    rng = PartitionedRNG(17).for_subsystem("kv-offload")
+    assert offload.norm_draws(17, 50).tolist() == [rng.norm_float64() for _ in range(50)]
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(per_block_bytes=0), "per_block_bytes"),
+    (dict(cpu_bytes_to_use=-1), "cpu_bytes_to_use"),
+    (dict(tiers=(dataclasses.replace(TIER, n_read_threads=0),)), "n_read_threads"),
+    (dict(tiers=(dataclasses.replace(TIER, write_bandwidth=0.0),)), "write_bandwidth"),
+    (dict(tiers=(dataclasses.replace(TIER, latency_jitter_stddev=-0.1),)), "latency_jitter_stddev"),
+    (dict(tiers=(dataclasses.replace(TIER, single_transfer_fraction=0.0),)), "single_transfer_fraction"),
+])
+def test_bad_figures_are_named(bad, field):
+    from blis_jax.engine import offload
+    from blis_jax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        offload.validate(dataclasses.replace(_config(), **bad))
+
+
+def test_unsupported_combinations_are_refused():
+    from blis_jax.engine import cpu_tier
+    from blis_jax.errors import ConfigError
+
+    requests = _requests(n=4)
+    params = params_from(SETTINGS)
+    for kwargs in (dict(scheduler="sjf"), dict(cpu_tier=cpu_tier.CpuTier(blocks=8))):
+        with pytest.raises(ConfigError, match="kv_offload|--kv-cpu-blocks"):
+            sim.simulate_instance(requests, params, latency_model(), offload=_config(), **kwargs)
