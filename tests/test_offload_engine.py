@@ -340,3 +340,30 @@ def test_unsupported_combinations_are_refused():
     for kwargs in (dict(scheduler="sjf"), dict(cpu_tier=cpu_tier.CpuTier(blocks=8))):
         with pytest.raises(ConfigError, match="kv_offload|--kv-cpu-blocks"):
             sim.simulate_instance(requests, params, latency_model(), offload=_config(), **kwargs)
+
+
+@pytest.mark.slow  # compiles three sizes of one program (~40 s on 2 cores)
+def test_full_job_and_draw_buffers_grow_and_rerun(monkeypatch):
+    """Pending jobs or jitter draws running out is a result code: the driver reruns with more, and
+    the run that fits is the one planned large from the start."""
+    from blis_jax.engine import offload
+
+    requests = _requests(n=40)
+    model = latency_model()
+    oc = _config(dataclasses.replace(TIER, write_bandwidth=2.0, latency_jitter_stddev=0.3))
+    planned, _, _ = _engine(requests, SETTINGS, model, oc, seed=3)
+    sizes = []
+    original = offload.engine_sizes
+
+    def tiny(dims, cfg, growth=1):
+        out = dict(original(dims, cfg, growth), offload_jobs=4 * growth, offload_draws=64 * growth)
+        sizes.append((out["offload_jobs"], out["offload_draws"]))
+        return out
+
+    monkeypatch.setattr(offload, "engine_sizes", tiny)
+    grown, _, _ = _engine(requests, SETTINGS, model, oc, seed=3)
+    assert len(sizes) >= 2 and sizes[0] == (4, 64), sizes
+    assert grown.result == 0 and planned.result == 0
+    assert np.array_equal(grown.ttft_us, planned.ttft_us) and np.array_equal(grown.e2e_us, planned.e2e_us)
+    assert {k: int(v[0]) for k, v in grown.offload_counts.items()} == \
+        {k: int(v[0]) for k, v in planned.offload_counts.items()}
