@@ -103,7 +103,6 @@ def test_synthetic_run_as_the_reference(variant):
 
 
 def _offload_case(case_id):
-    import yaml
     from blis_diff import load_case
 
     c = load_case(case_id)
@@ -113,7 +112,6 @@ def _offload_case(case_id):
                        bool(block.get("offload_prompt_only", True)),
                        tuple(OffloadTier(**{k: v for k, v in t.items() if k in fields})
                              for t in block.get("secondary_tiers") or ()))
-    del yaml
     return c, oc
 
 

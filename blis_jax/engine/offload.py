@@ -27,7 +27,8 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
 Static sizes (dims.offload_*): tiers, servers per station, pending jobs and jitter draws. Pending
 jobs or draws running out stop the run with OFFLOAD_FULL, and the driver reruns with more
 (growth.py). Without an offload chain `state.off` and `params.off` are None: nothing here is traced.
-Only the fcfs scheduler, without LoRA and on a lone instance (simulate.py refuses the rest).
+For now: a lone instance, the fcfs scheduler, no LoRA, no closed-loop sessions (simulate.py
+refuses the rest); decode steps are not coasted (coast.py does not poll the stations).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from blis_jax.engine.cpu_tier import BIG
 from blis_jax.engine.dims import EngineDims, bucket
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import INF_TIME
+from blis_jax.engine.state import QUEUED
 from blis_jax.errors import ConfigError
 
 READ, WRITE = 0, 1
@@ -151,8 +153,7 @@ def norm_draws(seed: int, n: int) -> np.ndarray:
 def make_params(cfg, dims: EngineDims, seed: int) -> OffloadParams:
     validate(cfg)
     tiers = cfg.tiers
-    f64 = lambda v: jnp.asarray(np.asarray(v, np.float64).reshape(-1) if not np.ndim(v) == 2 else v,  # noqa: E731
-                                jnp.float64)
+    f64 = lambda v: jnp.asarray(np.asarray(v, np.float64).reshape(-1))  # noqa: E731
     return OffloadParams(
         capacity=jnp.asarray(int(cfg.cpu_blocks), jnp.int64),
         block_bytes=jnp.asarray(float(cfg.per_block_bytes), jnp.float64),
@@ -457,8 +458,6 @@ def after_reload(state, dims: EngineDims, req, r, n_hit, n_reload):
 
 def _fifo_gone(state, pos):
     slot = pos & (state.win_status.shape[0] - 1)
-    from blis_jax.engine.state import QUEUED
-
     return (state.win_status[slot] != QUEUED) | state.off.taken[slot]
 
 
