@@ -3,6 +3,9 @@
 Test oracle only. The spec (blis-features §2.10) is thin: the semantics below were found against
 the blis-diff cases G03 (no jitter) and G04 (ramp + jitter), request by request.
 
+The jitted engine's port is blis_jax/engine/offload.py; tests/test_offload_engine.py checks that it
+gives this reference's run request by request (G03, G04 and synthetic runs).
+
 Agreement today (tests/test_reference_offload.py::test_offload_reference_against_blis):
 
 * G03: requests 0-81 exact (TTFT and E2E), 82/600 in all; cache hit rate 0.6832 vs 0.6856,

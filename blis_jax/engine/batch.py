@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from blis_jax.engine import cpu_tier, kv, lora, waitqueue
+from blis_jax.engine import cpu_tier, kv, lora, offload, waitqueue
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import EngineParams
@@ -186,7 +186,10 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
 
     def wants_more(c, ops):
         params, _, active, preempted = ops
-        state, budget, stop = c
+        state, budget, stop, cursor = c
+        if dims.offload:  # the scan goes past deferred requests (offload.py): while any is left
+            return (active & ~stop & ~preempted & (state.batch_len < params.max_num_seqs)
+                    & offload.cursor_valid(state, cursor) & (budget > 0))
         return (active & ~stop & ~preempted & (state.batch_len < params.max_num_seqs) & (state.wait_len > 0)
                 & (budget > 0))
 
@@ -195,14 +198,22 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
 
     def body(c, ops, on):
         params, req, _, _ = ops
-        state, budget, stop = c
-        state, r, _ = waitqueue.head(state, dims)
+        state, budget, stop, cursor = c
+        if dims.offload:
+            r, from_front = offload.candidate(state, cursor)
+        else:
+            state, r, _ = waitqueue.head(state, dims)
         old_row = row_of(state, r)
         # A PD decode sub-request starts decoding on the prompt KV reserved for it (transfer.py).
         prefilled = ((old_row >= 0) & (state.row_state[jnp.maximum(old_row, 0)] == ROW_RESERVED)
                      if dims.transfers else jnp.asarray(False))
         n_hit, cached, on_gpu = kv.cached_blocks(state, dims, req, r)
         n_hit = jnp.where(prefilled, 0, n_hit)
+        scanned = on
+        if dims.offload:
+            # deferred for a promotion read in flight, or one just submitted: passed over
+            state, skipped, promoted = offload.before_admission(state, dims, params, req, r, n_hit, on)
+            on = on & ~skipped
         start = jnp.where(prefilled, req.input_len[r], n_hit * bs)
         n = first_chunk(params, req, r, start, budget, prefilled)
         # BLIS quirk: a zero-token admission claims none of its cached blocks (kv.py)
@@ -219,6 +230,8 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             state, blocks, n_cached, n_reload, lost = cpu_tier.reload(
                 state, dims, params, req, r, n_hit, cached, on_gpu, on & ~prefilled & (n > 0) & lora_ok)
             reloaded = n_reload > 0
+            if dims.offload:
+                state = offload.after_reload(state, dims, req, r, n_hit, n_reload)
             end = start + n
             # The prefix reaches past the chunk: the row claims the blocks up to the chunk's end
             # and its later chunks follow them, at token positions that do not match their
@@ -273,7 +286,10 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             result=state.result | jnp.where(no_row, results.ROWS_FULL, 0).astype(jnp.int32),
         )
         state = kv.allocate_rows(state, dims, req, row[None], n_alloc[None], admit[None], params.total_kv_blocks)
-        state = waitqueue.pop_head(state, dims, admit)
+        if dims.offload:
+            state = offload.take(state, dims, r, from_front, cursor, admit)
+        else:
+            state = waitqueue.pop_head(state, dims, admit)
         state = dataclasses.replace(
             state,
             row_new=state.row_new.at[at_row].set(n, mode="drop"),
@@ -283,12 +299,21 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         state = set_row(set_status(state, r, RUNNING, admit), r, row, admit)
         if dims.lora_slots:  # the request pins its adapter until it leaves (a preempted one keeps it)
             state = lora.touch(lora.pin(state, req.adapter[r], 1, admit & (old_row < 0)), req.adapter[r], admit)
-        return state, jnp.where(admit, budget - n, budget), stop | (on & ~admit)
+        if dims.offload:
+            # a request admitted after its promotion whose allocation fails is passed over too
+            passed = scanned & ~admit & (skipped | promoted)
+            cursor = offload.advance(state, cursor, from_front, passed, admit)
+            return state, jnp.where(admit, budget - n, budget), stop | (on & ~admit & ~promoted), cursor
+        return state, jnp.where(admit, budget - n, budget), stop | (on & ~admit), cursor
 
     ops = (params, req, active, preempted)
-    state, budget, stop = masked_while(cond, body, (state, budget, jnp.asarray(False)), ops)
+    cursor = ()
+    if dims.offload:
+        state = waitqueue.head(state, dims)[0]   # the FIFO head past finished entries
+        cursor = offload.cursor_start(state)
+    state, budget, stop, cursor = masked_while(cond, body, (state, budget, jnp.asarray(False), cursor), ops)
     # Slots fewer than max-num-seqs (a sweep starts small): the scheduler would admit more, so
     # the run is redone with more slots instead of continuing with a different schedule.
-    full = wants_more((state, budget, stop), ops)
+    full = wants_more((state, budget, stop, cursor), ops)
     return dataclasses.replace(state, result=state.result | jnp.where(full, results.BATCH_FULL, 0).astype(jnp.int32),
                                peak_batch_len=jnp.maximum(state.peak_batch_len, state.batch_len))

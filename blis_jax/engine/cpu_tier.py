@@ -105,8 +105,12 @@ def init_arrays(dims: EngineDims) -> dict:
 
 
 def on_cpu(state, keys):
-    """Whether each content key has an entry on CPU."""
-    return state.cpu_key_slot[jnp.clip(keys, 0, state.cpu_key_slot.shape[0] - 1)] >= 0
+    """Whether each content key has an entry on CPU (with an offload chain: one not still being
+    brought in by a promotion read, ref count -1; offload.py)."""
+    slot = state.cpu_key_slot[jnp.clip(keys, 0, state.cpu_key_slot.shape[0] - 1)]
+    if state.off is not None:
+        return (slot >= 0) & (state.off.slot_ref[jnp.maximum(slot, 0)] >= 0)
+    return slot >= 0
 
 
 def mirror(state, dims: EngineDims, params, active):

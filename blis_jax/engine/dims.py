@@ -75,6 +75,13 @@ class EngineDims:
     # legacy CPU KV tier (cpu_tier.py): store slots and the content-key space; 0 = no CPU tier
     cpu_blocks: int = 0
     cpu_keys: int = 0
+    # multi-tier KV offload chain (offload.py; its CPU staging tier takes cpu_blocks / cpu_keys):
+    # secondary tiers, servers per I/O station, pending jobs, precomputed jitter draws
+    offload: bool = False
+    offload_tiers: int = 0
+    offload_servers: int = 0
+    offload_jobs: int = 0
+    offload_draws: int = 0
 
     @property
     def trace_log(self) -> int:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from blis_jax import latency
-from blis_jax.engine import batch, coast, cpu_tier, itl_log, kv, lora, results, sessions, transfer, waitqueue
+from blis_jax.engine import batch, coast, cpu_tier, itl_log, kv, lora, offload, results, sessions, transfer, waitqueue
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
 from blis_jax.engine.params import INF_TIME, EngineParams
@@ -364,7 +364,9 @@ def step(state, dims: EngineDims, params: EngineParams, req: RequestArrays, mode
     # BLIS samples |WaitQ| after batch formation, every step (blis-features §2.4)
     state = dataclasses.replace(state, wait_depth_sum=state.wait_depth_sum + jnp.where(run, state.wait_len, 0))
     state, step_us, step_sample = _execute(state, step_sample, dims, params, req, model, run)
-    if dims.cpu_blocks:  # write-through of the batch's hashed blocks (BLIS MirrorToCPU)
+    if dims.offload:  # the offload chain's I/O completions and stores (offload.py)
+        state = offload.after_execution(state, dims, params, req, run)
+    elif dims.cpu_blocks:  # write-through of the batch's hashed blocks (BLIS MirrorToCPU)
         state = cpu_tier.mirror(state, dims, params, run)
     state = _finish_requests(state, dims, params, req, model, step_us, run)
     waiting = state.wait_len > 0

@@ -31,6 +31,7 @@ CAPACITY_OF = {
     results.TRANSFERS_FULL: "transfers",
     results.GATEWAY_FULL: "gateway_slots",
     results.SCALING_FULL: "scaling",
+    results.OFFLOAD_FULL: "offload",
 }
 
 
@@ -49,6 +50,7 @@ class Growth:
     transfers: int = 1
     gateway_slots: int = 1
     scaling: int = 1  # autoscaler: instance slots, pending actuations, delay draws, log lines
+    offload: int = 1  # KV offload chain: pending I/O jobs and jitter draws
 
     @classmethod
     def uniform(cls, factor: int) -> Growth:

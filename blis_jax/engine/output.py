@@ -120,6 +120,10 @@ class SimOutput:
     # E/P/D (cluster/encode.py): each request's encode routing decision, the encode instance it
     # chose (-1: none made, or rejected); None without an encode pool or decider
     encode_by: np.ndarray | None = None
+    # multi-tier KV offload chain (engine/offload.py): counters per instance [I] by name:
+    # promotions_attempted / _refused (KV Thrashing Rate = refused / attempted), promotions_done,
+    # promotion_blocks, cpu_stores, cpu_evictions, store_skips, cpu_reloads, writes, writes_done
+    offload_counts: dict | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in _PER_REQUEST.items():

@@ -20,6 +20,7 @@ class EngineParams(eqx.Module):
     horizon_us: Int64[Array, ""]
     lora: object = None  # LoraParams (engine/lora.py) when adapters are configured
     cpu: object = None  # CpuTierParams (engine/cpu_tier.py) with a legacy CPU KV tier
+    off: object = None  # OffloadParams (engine/offload.py) with a multi-tier KV offload chain
 
 
 def make_engine_params(

@@ -18,6 +18,7 @@ GATEWAY_FULL = 1 << 11  # flow control: more requests queued at the gateway (or 
 BATCH_FULL = 1 << 12  # the running batch filled its slots while max-num-seqs allowed more (dims.batch_slots)
 SCALING_FULL = 1 << 13  # autoscaler: more pending actuations, delay draws or log lines than held
 INSTANCE_SLOTS_FULL = 1 << 14  # autoscaler: it created more instances than the compiled slots (driver regrows)
+OFFLOAD_FULL = 1 << 15  # KV offload chain: more I/O jobs pending, or jitter draws used, than held
 
 _NAMES = {
     ROWS_FULL: "rows_full",
@@ -33,10 +34,17 @@ _NAMES = {
     BATCH_FULL: "batch_full",
     SCALING_FULL: "scaling_full",
     INSTANCE_SLOTS_FULL: "instance_slots_full",
+    OFFLOAD_FULL: "offload_full",
 }
 
 GROWABLE = (ROWS_FULL | FREE_RING_FULL | WAIT_WINDOW_FULL | WINDOW_FULL | STEP_LOG_FULL | RUN_LOG_FULL
             | INBOX_FULL | TRANSFERS_FULL | GATEWAY_FULL | BATCH_FULL | SCALING_FULL)
+
+
+def growable(state) -> int:
+    """The bits that stop an instance's loop for a rerun: GROWABLE, and OFFLOAD_FULL with an offload
+    chain (a separate constant so that programs without one stay as they were)."""
+    return GROWABLE | OFFLOAD_FULL if getattr(state, "off", None) is not None else GROWABLE
 
 
 def describe(code: int) -> str:
@@ -71,6 +79,8 @@ _FIXES = {
                   "stabilization windows or the tick interval, or set a horizon",
     INSTANCE_SLOTS_FULL: "the autoscaler created more instances than planned: raise the stabilization windows or "
                          "the tick interval, or set a horizon",
+    OFFLOAD_FULL: "more KV offload transfers were pending than planned: raise the secondary tiers' bandwidths "
+                  "or threads, or lower the rate",
 }
 
 

@@ -88,7 +88,12 @@ def request_arrays(requests: RequestSet, dims: EngineDims, sessions: SessionLink
 @functools.partial(jax.jit, static_argnums=0)
 def start(dims: EngineDims, params: EngineParams, req: RequestArrays, model) -> EngineState:
     enqueue_time = jnp.where(req.valid, req.arrival + latency.queueing_time_us(model, req.input_len), INF_TIME)
-    return init_state(dims, req, enqueue_time, params.horizon_us, params.total_kv_blocks)
+    state = init_state(dims, req, enqueue_time, params.horizon_us, params.total_kv_blocks)
+    if dims.offload:
+        from blis_jax.engine import offload
+
+        state = dataclasses.replace(state, off=offload.init_state(dims, params.off))
+    return state
 
 
 def _body(state: EngineState, dims, params, req, model, active=True, until=INF_TIME) -> EngineState:
@@ -103,7 +108,7 @@ def _body(state: EngineState, dims, params, req, model, active=True, until=INF_T
     def before_step(s, ops):
         params, req, _, lane_active, until = ops
         kind, time = events.next_event(s, req)
-        return lane_active & (kind != events.STEP) & _due(time, params, until) & ((s.result & results.GROWABLE) == 0)
+        return lane_active & (kind != events.STEP) & _due(time, params, until) & ((s.result & results.growable(s)) == 0)
 
     def other_event(s, ops, on):
         params, req, model, _, _ = ops
@@ -116,7 +121,7 @@ def _body(state: EngineState, dims, params, req, model, active=True, until=INF_T
     until = jnp.asarray(until, jnp.int64)
     state = masked_while(before_step, other_event, state, (params, req, model, jnp.asarray(active), until))
     kind, time = events.next_event(state, req)
-    go = active & (kind == events.STEP) & _due(time, params, until) & ((state.result & results.GROWABLE) == 0)
+    go = active & (kind == events.STEP) & _due(time, params, until) & ((state.result & results.growable(state)) == 0)
     state = events.step(state, dims, params, req, model, go, until)
     return dataclasses.replace(state, events=state.events + go)
 
@@ -128,7 +133,7 @@ def _due(time, params: EngineParams, until=INF_TIME):
 def finished(state: EngineState, params: EngineParams, req: RequestArrays, until=INF_TIME):
     """No event left before `until` and the horizon (or a buffer overflowed)."""
     _, time = events.next_event(state, req)
-    return ~_due(time, params, until) | ((state.result & results.GROWABLE) != 0)
+    return ~_due(time, params, until) | ((state.result & results.growable(state)) != 0)
 
 
 def run_until(dims: EngineDims, state: EngineState, params, req, model, event_limit, until=INF_TIME) -> EngineState:
@@ -199,14 +204,19 @@ def simulate_instance(
     progress: Callable[[int, int, int], None] | None = None,
     lora=None,
     cpu_tier=None,
+    offload=None,
+    seed: int = 0,
 ) -> SimOutput:
     """Simulate one instance serving `requests`; host-side driver around the jitted loop.
 
     `progress(done_requests, total_requests, sim_time_us)` is called between chunks.
+    `offload`: a config.kv_offload.OffloadConfig (the multi-tier KV offload chain, offload.py);
+    `seed`: the run's seed (the chain's jitter draws come from its `kv-offload` stream).
     """
     state, dims, code, itl_reader = _drive(requests, None, params, model, block_size=block_size, scheduler=scheduler,
                                            preemption_policy=preemption_policy, events_per_chunk=events_per_chunk,
-                                           progress=progress, lora=lora, cpu_tier=cpu_tier)
+                                           progress=progress, lora=lora, cpu_tier=cpu_tier, offload=offload,
+                                           seed=seed)
     out = to_output(state, dims, params, requests, code, itl_reader)
     return out if lora is None else with_adapter_counts(out, lora, state.lora_loads, state.lora_evictions)
 
@@ -264,9 +274,10 @@ def simulate_traced(
 
 def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler: str = "fcfs",
            preemption_policy: str = "fcfs", events_per_chunk: int = 200_000, progress=None,
-           trace_steps: bool = False, lora=None, cpu_tier=None):
+           trace_steps: bool = False, lora=None, cpu_tier=None, offload=None, seed: int = 0):
     """Run to the end in chunks, rerunning with the overflowed buffers grown (growth.py).
-    `lora`: a lora.LoraConfig, or None. Returns (final state, dims, result code, ITL log reader)."""
+    `lora`: a lora.LoraConfig, or None; `offload`: a config.kv_offload.OffloadConfig, or None
+    (`seed` seeds its jitter). Returns (final state, dims, result code, ITL log reader)."""
     adapters = None
     if lora is not None:
         from blis_jax.engine import lora as lora_mod
@@ -278,6 +289,18 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
 
         params = dataclasses.replace(params, cpu=cpu_mod.make_params(cpu_tier.blocks, block_size, cpu_tier.bandwidth,
                                                                      cpu_tier.base_latency_us))
+    if offload is not None:
+        from blis_jax.engine import cpu_tier as cpu_mod, offload as offload_mod
+
+        offload_mod.validate(offload)
+        if cpu_tier is not None:
+            raise ConfigError("--kv-cpu-blocks and a kv_offload chain are two CPU tiers: configure one of them")
+        if scheduler != "fcfs" or lora is not None or sessions is not None or trace_steps:
+            raise ConfigError("kv_offload: the multi-tier KV offload chain runs with the fcfs scheduler, without "
+                              "LoRA adapters, closed-loop sessions or a step trace for now")
+        # its admission reloads the CPU continuation as the legacy tier does, free of step time
+        params = dataclasses.replace(params, cpu=cpu_mod.CpuTierParams(
+            capacity=jnp.asarray(int(offload.cpu_blocks), jnp.int64), reload_us=jnp.asarray(0, jnp.int64)))
     for value, allowed, flag in ((scheduler, ("fcfs", "priority-fcfs", "sjf"), "--scheduler"),
                                  (preemption_policy, ("fcfs", "priority"), "--preemption-policy")):
         if value not in allowed:
@@ -304,8 +327,12 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
         dims = with_lora(dims, lora)
         if cpu_tier is not None:
             dims = with_cpu_tier(dims, cpu_tier)
+        run_params = params
+        if offload is not None:
+            dims = with_offload(dims, offload, growth.offload)
+            run_params = dataclasses.replace(params, off=offload_mod.make_params(offload, dims, seed))
         req = request_arrays(requests, dims, sessions, adapters)
-        inputs = jax.device_put((params, req, model))
+        inputs = jax.device_put((run_params, req, model))
         start_program, chunk_program = _driver_programs(dims)
         state = executables.call(start_program, f"engine.start {dims}", inputs)
         itl_reader = ItlLogReader()
@@ -337,6 +364,13 @@ def with_cpu_tier(dims: EngineDims, cpu) -> EngineDims:
     from blis_jax.engine import cpu_tier
 
     return dims if cpu is None else dataclasses.replace(dims, **cpu_tier.engine_sizes(dims, cpu.blocks))
+
+
+def with_offload(dims: EngineDims, offload, growth: int = 1) -> EngineDims:
+    """`dims` with the sizes of the KV offload chain `offload` (None: unchanged)."""
+    from blis_jax.engine import offload as offload_mod
+
+    return dims if offload is None else dataclasses.replace(dims, **offload_mod.engine_sizes(dims, offload, growth))
 
 
 def in_flight(s, num_requests: int):
@@ -413,4 +447,15 @@ def to_output(state: EngineState, dims: EngineDims, params: EngineParams, reques
         cpu_tier_counts=(np.array([int(s.cpu_misses)]), np.array([int(s.cpu_stores)]), np.array([int(s.cpu_evictions)]))
         if dims.cpu_blocks else None,
         cpu_reload_failures=np.array([int(s.cpu_reload_failures)]) if dims.cpu_blocks else None,
+        offload_counts=offload_counts(s) if dims.offload else None,
     )
+
+
+def offload_counts(s) -> dict:
+    """Per-instance counters of the KV offload chain ([1] each) from a host copy of the state."""
+    o = s.off
+    return {name: np.array([int(v)]) for name, v in (
+        ("promotions_attempted", o.attempted), ("promotions_refused", o.refused),
+        ("promotions_done", o.promotions_done), ("promotion_blocks", o.promotion_blocks),
+        ("cpu_stores", s.cpu_stores), ("cpu_evictions", s.cpu_evictions), ("store_skips", o.store_skips),
+        ("cpu_reloads", o.cpu_reloads), ("writes", o.writes), ("writes_done", o.writes_done))}

@@ -22,7 +22,8 @@ G prefix groups (`prefix_groups`), PB blocks per prefix group (`prefix_blocks`),
 (`step_log`), RL run log (`run_log`), T step trace (`trace_log`), C LoRA slots (`lora_slots`),
 A LoRA adapters (`lora_adapters`),
 CB CPU-tier slots (`cpu_blocks`), KS content keys (`cpu_keys`, 0 without a CPU tier),
-RA block-table rows with a CPU tier (`cpu_rows`).
+RA block-table rows with a CPU tier (`cpu_rows`). The multi-tier KV offload chain's state is
+`off` (offload.OffloadState, its own dimension names there), None without a chain.
 """
 
 from __future__ import annotations
@@ -221,6 +222,8 @@ class EngineState(eqx.Module):
     coasted_steps: Int64[Array, ""]  # of those, run inside decode runs (coast.py)
     events: Int64[Array, ""]
     result: Int32[Array, ""]
+    # multi-tier KV offload chain (offload.OffloadState); None without one (nothing traced)
+    off: object = None
 
 
 def init_state(

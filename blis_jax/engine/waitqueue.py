@@ -52,9 +52,18 @@ def _skip_gone(state: EngineState) -> EngineState:
     # closure: a closure capture of `status` would make XLA copy that per-request array.
     def gone(s, _):
         slot = s.fifo_head & (s.win_status.shape[0] - 1)
+        if s.off is not None:  # an offload chain's skip-scan admits past the head (offload.py)
+            return (s.fifo_head < s.enq_pos) & ((s.win_status[slot] != QUEUED) | s.off.taken[slot])
         return (s.fifo_head < s.enq_pos) & (s.win_status[slot] != QUEUED)
 
-    return masked_while(gone, lambda s, _, on: dataclasses.replace(s, fifo_head=s.fifo_head + on), state)
+    def passed(s, _, on):
+        if s.off is not None:   # the entry is behind the head now: clear its mark for the next use of the slot
+            slot = jnp.where(on, s.fifo_head & (s.win_status.shape[0] - 1), s.win_status.shape[0])
+            s = dataclasses.replace(s, off=dataclasses.replace(s.off, taken=s.off.taken.at[slot].set(False,
+                                                                                                    mode="drop")))
+        return dataclasses.replace(s, fifo_head=s.fifo_head + on)
+
+    return masked_while(gone, passed, state)
 
 
 def head(state: EngineState, dims: EngineDims):

@@ -1,0 +1,505 @@
+"""BLIS's multi-tier KV offload chain (`--kv-offload-config`, a trace header's `kv_offload` block;
+`sim/kv/offload_*.go`, blis-features §2.10) in the jitted engine: a CPU staging tier keyed by
+block content, `fs` secondary tiers, and one FIFO I/O station per tier and direction.
+
+The semantics are those of the eager reference tests/reference_offload.py (found against BLIS's
+G03/G04 cases; its docstring says what each point is needed for and where BLIS differs):
+
+* CPU staging: `capacity` = ⌊cpu_bytes_to_use / per_block_bytes⌋ slots (cpu_tier.py's slot key /
+  LRU stamp / key → slot map, reused) with vLLM's ref count per slot: -1 while a promotion read
+  brings the block in, 0 evictable, > 0 pinned by writes to the secondary tiers.
+* After each step's execution (clock at the step's start): `poll` the stations (finished writes:
+  key on the tier, CPU slot unpinned; finished reads: slots evictable, the request ready), then
+  each running request, in batch order, stores its prompt blocks past its last stored index, all
+  or nothing (vLLM prepare_store), evicting least recently used evictable slots; every fresh CPU
+  block is written to every tier; then, if anything was stored, all its blocks are touched.
+* Batch formation, phase 2 (batch.py): a skip-scan over the wait queue; a request whose prefix
+  continues (past its GPU prefix and CPU continuation) on a secondary tier has a read of that run
+  submitted once, if the CPU tier has room for it (else refused: KV Thrashing Rate =
+  refused / attempted), and is deferred until a poll sees the read done. Admission then sizes the
+  chunk from the GPU-cached prefix and reloads the CPU continuation as the legacy tier does
+  (cpu_tier.reload), free of step time.
+* A job's service time: base + bytes / (bandwidth · ramp(depth)), times max(0.05, 1 + N·σ) (one
+  draw of the instance's `kv-offload` stream per job when σ > 0, at submission; the draws are
+  computed on the host, `norm_draws`), rounded half away from zero, at least 1 µs. Its finish is
+  fixed at submission: the earliest free server of the station takes it.
+
+Static sizes (dims.offload_*): tiers, servers per station, pending jobs and jitter draws. Pending
+jobs or draws running out stop the run with OFFLOAD_FULL, and the driver reruns with more
+(growth.py). Without an offload chain `state.off` and `params.off` are None: nothing here is traced.
+For now: a lone instance, the fcfs scheduler, no LoRA, no closed-loop sessions (simulate.py
+refuses the rest); decode steps are not coasted (coast.py does not poll the stations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float64, Int32, Int64
+
+from blis_jax.engine import kv, results
+from blis_jax.engine.cpu_tier import BIG
+from blis_jax.engine.dims import EngineDims, bucket
+from blis_jax.engine.loops import masked_while
+from blis_jax.engine.params import INF_TIME
+from blis_jax.engine.state import QUEUED
+from blis_jax.errors import ConfigError
+
+READ, WRITE = 0, 1
+# promotion state of a request
+NO_PROMOTION, PROMOTING, PROMOTED = 0, 1, 2
+
+
+class OffloadParams(eqx.Module):
+    """Dynamic figures of the chain (changing them does not recompile). T tiers, D draws."""
+
+    capacity: Int64[Array, ""]  # CPU staging blocks
+    block_bytes: Float64[Array, ""]  # per_block_bytes
+    threads: Int64[Array, "T 2"]  # servers per (tier, read / write)
+    bandwidth: Float64[Array, "T 2"]  # bytes / µs
+    base_latency: Float64[Array, " T"]  # µs
+    saturation_depth: Int64[Array, " T"]
+    single_fraction: Float64[Array, " T"]
+    jitter: Float64[Array, " T"]  # σ
+    norms: Float64[Array, " D"]  # the kv-offload stream's N(0, 1) draws, in order
+
+
+class OffloadState(eqx.Module):
+    """CB CPU slots, KS content keys, T tiers, NS servers, J pending jobs, N requests, W window."""
+
+    slot_ref: Int32[Array, " CB"]  # vLLM ref count (-1 promoting, 0 evictable, > 0 pinned by writes)
+    slot_job: Int32[Array, " CB"]  # the promotion read bringing the slot in, -1 none
+    on_tier: Bool[Array, "T KS"]  # content keys each secondary tier holds
+    server_free: Int64[Array, "T 2 NS"]  # when each server is free (INF_TIME: no such server)
+    job_finish: Int64[Array, " J"]  # INF_TIME: empty
+    job_tier: Int32[Array, " J"]
+    job_write: Bool[Array, " J"]
+    job_item: Int64[Array, " J"]  # a write's content key, a read's request
+    promo: Int32[Array, " N"]  # NO_PROMOTION / PROMOTING / PROMOTED
+    stored: Int64[Array, " N"]  # vLLM's next block index to store, per request
+    taken: Bool[Array, " W"]  # FIFO wait-queue entries admitted out of order (the skip-scan)
+    draw_pos: Int64[Array, ""]
+    # counters
+    attempted: Int64[Array, ""]
+    refused: Int64[Array, ""]
+    promotions_done: Int64[Array, ""]
+    promotion_blocks: Int64[Array, ""]
+    writes: Int64[Array, ""]
+    writes_done: Int64[Array, ""]
+    store_skips: Int64[Array, ""]
+    cpu_reloads: Int64[Array, ""]
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def validate(cfg) -> None:
+    """Clear errors for figures the chain cannot run with (a ConfigError naming the field)."""
+    if int(cfg.per_block_bytes) <= 0:
+        raise ConfigError(f"kv_offload.per_block_bytes must be > 0, got {cfg.per_block_bytes!r}")
+    if int(cfg.cpu_bytes_to_use) < 0:
+        raise ConfigError(f"kv_offload.cpu_bytes_to_use must be >= 0, got {cfg.cpu_bytes_to_use!r}")
+    for i, t in enumerate(cfg.tiers):
+        for name in ("n_read_threads", "n_write_threads", "saturation_queue_depth"):
+            if int(getattr(t, name)) < 1:
+                raise ConfigError(f"kv_offload.secondary_tiers[{i}].{name} must be >= 1, got {getattr(t, name)!r}")
+        for name in ("read_bandwidth", "write_bandwidth"):
+            v = getattr(t, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"kv_offload.secondary_tiers[{i}].{name} must be a finite number > 0, got {v!r}")
+        for name in ("base_latency", "latency_jitter_stddev"):
+            v = getattr(t, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"kv_offload.secondary_tiers[{i}].{name} must be a finite number >= 0, got {v!r}")
+        if not (0 < t.single_transfer_fraction <= 1):
+            raise ConfigError(f"kv_offload.secondary_tiers[{i}].single_transfer_fraction must be in (0, 1], "
+                              f"got {t.single_transfer_fraction!r}")
+
+
+def has_jitter(cfg) -> bool:
+    return any(t.latency_jitter_stddev > 0 for t in cfg.tiers)
+
+
+def engine_sizes(dims: EngineDims, cfg, growth: int = 1) -> dict:
+    """Dims of a run with the chain `cfg`: the CPU slots and key space as the legacy tier's
+    (cpu_tier.engine_sizes), and the chain's own."""
+    from blis_jax.engine import cpu_tier
+
+    jobs = bucket(1024 * growth)
+    # one draw per job: a store's blocks times the tiers, plus the promotions (a first guess; rerun when short)
+    draws = bucket(dims.num_requests * dims.blocks_per_request // 2 * max(len(cfg.tiers), 1) * growth, 1024) \
+        if has_jitter(cfg) else 0
+    servers = max([max(t.n_read_threads, t.n_write_threads) for t in cfg.tiers] or [1])
+    return dict(cpu_tier.engine_sizes(dims, cfg.cpu_blocks), offload=True, offload_tiers=len(cfg.tiers),
+                offload_servers=bucket(servers, 1), offload_jobs=jobs, offload_draws=draws)
+
+
+@functools.lru_cache(maxsize=16)
+def norm_draws(seed: int, n: int) -> np.ndarray:
+    """The first `n` N(0, 1) draws of the instance's `kv-offload` stream (blis-rng §10.3; exact Go)."""
+    from blis_jax.rng.streams import KV_OFFLOAD, PartitionedRNG
+
+    rng = PartitionedRNG(seed).for_subsystem(KV_OFFLOAD)
+    out = np.array([rng.norm_float64() for _ in range(n)], np.float64)
+    out.setflags(write=False)
+    return out
+
+
+def make_params(cfg, dims: EngineDims, seed: int) -> OffloadParams:
+    validate(cfg)
+    tiers = cfg.tiers
+    f64 = lambda v: jnp.asarray(np.asarray(v, np.float64).reshape(-1))  # noqa: E731
+    return OffloadParams(
+        capacity=jnp.asarray(int(cfg.cpu_blocks), jnp.int64),
+        block_bytes=jnp.asarray(float(cfg.per_block_bytes), jnp.float64),
+        threads=jnp.asarray(np.array([[t.n_read_threads, t.n_write_threads] for t in tiers], np.int64).reshape(-1, 2)),
+        bandwidth=jnp.asarray(np.array([[t.read_bandwidth, t.write_bandwidth] for t in tiers],
+                                       np.float64).reshape(-1, 2)),
+        base_latency=f64([t.base_latency for t in tiers]),
+        saturation_depth=jnp.asarray(np.array([t.saturation_queue_depth for t in tiers], np.int64)),
+        single_fraction=f64([t.single_transfer_fraction for t in tiers]),
+        jitter=f64([t.latency_jitter_stddev for t in tiers]),
+        norms=jnp.asarray(norm_draws(int(seed), dims.offload_draws)),
+    )
+
+
+def init_state(dims: EngineDims, params: OffloadParams) -> OffloadState:
+    t, ns, j = dims.offload_tiers, dims.offload_servers, dims.offload_jobs
+    i64 = lambda v: jnp.asarray(v, jnp.int64)  # noqa: E731
+    server = jnp.arange(ns)
+    return OffloadState(
+        slot_ref=jnp.zeros(dims.cpu_blocks, jnp.int32),
+        slot_job=jnp.full(dims.cpu_blocks, -1, jnp.int32),
+        on_tier=jnp.zeros((t, dims.cpu_keys), bool),
+        server_free=jnp.where(server[None, None, :] < params.threads[:, :, None], 0, INF_TIME).astype(jnp.int64),
+        job_finish=jnp.full(j, INF_TIME, jnp.int64),
+        job_tier=jnp.zeros(j, jnp.int32),
+        job_write=jnp.zeros(j, bool),
+        job_item=jnp.zeros(j, jnp.int64),
+        promo=jnp.zeros(dims.num_requests, jnp.int32),
+        stored=jnp.zeros(dims.num_requests, jnp.int64),
+        taken=jnp.zeros(dims.window, bool),
+        draw_pos=i64(0), attempted=i64(0), refused=i64(0), promotions_done=i64(0), promotion_blocks=i64(0),
+        writes=i64(0), writes_done=i64(0), store_skips=i64(0), cpu_reloads=i64(0),
+    )
+
+
+# ----------------------------------------------------------------------------- I/O stations
+
+
+def service_us(params: OffloadParams, tier, kind, nbytes, depth, draw):
+    """base + bytes / (bandwidth · ramp(depth)), times max(0.05, 1 + draw · σ) when σ > 0, rounded
+    half away from zero, >= 1 µs (reference_offload.service_us, operation for operation)."""
+    q, f1 = params.saturation_depth[tier], params.single_fraction[tier]
+    ramped = f1 + (1 - f1) * (jnp.minimum(depth, q) - 1).astype(jnp.float64) / jnp.maximum(q - 1, 1).astype(jnp.float64)
+    ramp = jnp.where((q < 2) | (f1 >= 1), 1.0, ramped)
+    base = params.base_latency[tier] + nbytes / (params.bandwidth[tier, kind] * ramp)
+    sigma = params.jitter[tier]
+    base = jnp.where(sigma > 0, base * jnp.maximum(0.05, 1 + draw * sigma), base)
+    return jnp.maximum(1, jnp.floor(base + 0.5)).astype(jnp.int64)
+
+
+def submit(off: OffloadState, dims: EngineDims, params: OffloadParams, now, tier, kind, nbytes, item, active):
+    """Submit one job to station (tier, kind): timed now, taken by the earliest free server.
+    Returns (off, job slot, overflow: no pending-job slot or jitter draw left)."""
+    pending = (off.job_finish > now) & (off.job_finish < INF_TIME) & (off.job_tier == tier) \
+        & (off.job_write == (kind == WRITE))
+    depth = jnp.minimum(jnp.sum(pending) + 1, params.threads[tier, kind])
+    jitter = params.jitter[tier] > 0
+    d = dims.offload_draws
+    draw = params.norms[jnp.clip(off.draw_pos, 0, max(d - 1, 0))] if d else jnp.float64(0)
+    service = service_us(params, tier, kind, nbytes, depth, draw)
+    servers = off.server_free[tier, kind]
+    server = jnp.argmin(servers)
+    finish = jnp.maximum(now, servers[server]) + service
+    job = jnp.argmax(off.job_finish == INF_TIME)
+    overflow = active & ((off.job_finish[job] != INF_TIME) | (jitter & (off.draw_pos >= d)))
+    go = active & ~overflow
+    at = jnp.where(go, job, dims.offload_jobs)
+    return dataclasses.replace(
+        off,
+        server_free=off.server_free.at[jnp.where(go, tier, dims.offload_tiers), kind, server].set(finish, mode="drop"),
+        job_finish=off.job_finish.at[at].set(finish, mode="drop"),
+        job_tier=off.job_tier.at[at].set(tier, mode="drop"),
+        job_write=off.job_write.at[at].set(kind == WRITE, mode="drop"),
+        job_item=off.job_item.at[at].set(item, mode="drop"),
+        draw_pos=off.draw_pos + (go & jitter),
+    ), job, overflow
+
+
+def poll(state, dims: EngineDims, active):
+    """Completions of the jobs finished by now: a written key is on its tier and its CPU slot
+    unpinned; a promotion's slots become evictable and its request ready."""
+    off = state.off
+    done = active & (off.job_finish <= state.now)
+    writes = done & off.job_write
+    reads = done & ~off.job_write
+    key = jnp.clip(off.job_item, 0, dims.cpu_keys - 1)
+    on_tier = off.on_tier.at[jnp.where(writes, off.job_tier, dims.offload_tiers), key].set(True, mode="drop")
+    slot = state.cpu_key_slot[key]
+    slot_ref = off.slot_ref.at[jnp.where(writes & (slot >= 0), slot, dims.cpu_blocks)].add(-1, mode="drop")
+    arrived = (off.slot_job >= 0) & reads[jnp.maximum(off.slot_job, 0)]
+    slot_ref = jnp.where(arrived & (slot_ref == -1), 0, slot_ref)
+    promo = off.promo.at[jnp.where(reads, off.job_item, dims.num_requests)].set(PROMOTED, mode="drop")
+    return dataclasses.replace(state, off=dataclasses.replace(
+        off, on_tier=on_tier, slot_ref=slot_ref, slot_job=jnp.where(arrived, -1, off.slot_job), promo=promo,
+        job_finish=jnp.where(done, INF_TIME, off.job_finish),
+        writes_done=off.writes_done + jnp.sum(writes), promotions_done=off.promotions_done + jnp.sum(reads)))
+
+
+# ----------------------------------------------------------------------------- CPU staging slots
+
+
+def _evict_lru(state, dims: EngineDims, count):
+    """Drop the `count` least recently used evictable (ref 0) CPU slots (a loop of at most one
+    iteration: under vmap the sort runs only on lanes that evict)."""
+    c, nk = dims.cpu_blocks, dims.cpu_keys
+
+    def body(carry, ops, on):
+        state, _ = carry
+        count, = ops
+        off = state.off
+        evictable = (state.cpu_slot_key >= 0) & (off.slot_ref == 0)
+        order = jnp.argsort(jnp.where(evictable, state.cpu_slot_stamp, BIG))
+        rank = jnp.zeros(c, jnp.int64).at[order].set(jnp.arange(c, dtype=jnp.int64))
+        gone = on & evictable & (rank < count)
+        n = jnp.sum(gone).astype(jnp.int64)
+        state = dataclasses.replace(
+            state,
+            cpu_key_slot=state.cpu_key_slot.at[jnp.where(gone, state.cpu_slot_key, nk)].set(-1, mode="drop"),
+            cpu_slot_key=jnp.where(gone, -1, state.cpu_slot_key),
+            cpu_slot_stamp=jnp.where(gone, BIG, state.cpu_slot_stamp),
+            cpu_count=state.cpu_count - n,
+            cpu_evictions=state.cpu_evictions + n,
+        )
+        return state, True
+
+    return masked_while(lambda carry, ops: ~carry[1] & (ops[0] > 0), body, (state, jnp.asarray(False)), (count,))[0]
+
+
+def _insert(state, dims: EngineDims, params: OffloadParams, keys, mask, ref, job):
+    """Put the `mask`ed keys into free slots below the capacity, in order, most recently used
+    (stamped by position), with ref count `ref` and read job `job`."""
+    c = dims.cpu_blocks
+    off = state.off
+    empty = (state.cpu_slot_key < 0) & (jnp.arange(c) < params.capacity)
+    free_slots = jnp.nonzero(empty, size=c, fill_value=c)[0]
+    dest = jnp.where(mask, free_slots[jnp.clip(jnp.cumsum(mask) - 1, 0, c - 1)], c)
+    m = keys.shape[0]
+    safe = jnp.where(dest < c, keys, dims.cpu_keys)
+    return dataclasses.replace(
+        state,
+        cpu_slot_key=state.cpu_slot_key.at[dest].set(keys, mode="drop"),
+        cpu_slot_stamp=state.cpu_slot_stamp.at[dest].set(state.cpu_tick + jnp.arange(m), mode="drop"),
+        cpu_key_slot=state.cpu_key_slot.at[safe].set(dest.astype(jnp.int32), mode="drop"),
+        cpu_count=state.cpu_count + jnp.sum(dest < c),
+        cpu_tick=state.cpu_tick + m,
+        off=dataclasses.replace(off, slot_ref=off.slot_ref.at[dest].set(ref, mode="drop"),
+                                slot_job=off.slot_job.at[dest].set(job, mode="drop")),
+    )
+
+
+def _touch(state, keys, mask):
+    """LRU touch of the `mask`ed keys on CPU, in order (the last ends most recently used)."""
+    m = keys.shape[0]
+    slot = state.cpu_key_slot[jnp.clip(keys, 0, state.cpu_key_slot.shape[0] - 1)]
+    hit = mask & (slot >= 0)
+    c = state.cpu_slot_key.shape[0]
+    return dataclasses.replace(
+        state,
+        cpu_slot_stamp=state.cpu_slot_stamp.at[jnp.where(hit, slot, c)].set(state.cpu_tick + jnp.arange(m),
+                                                                            mode="drop"),
+        cpu_tick=state.cpu_tick + jnp.where(jnp.any(hit), m, 0))
+
+
+def _evictable(state):
+    return jnp.sum((state.cpu_slot_key >= 0) & (state.off.slot_ref == 0)).astype(jnp.int64)
+
+
+def _prompt_keys(dims: EngineDims, req, r):
+    j = jnp.arange(dims.blocks_per_request, dtype=jnp.int64)
+    return j, kv.content_key(dims, req, r, j), req.input_len[r] // dims.block_size
+
+
+def _run_from(start, present, j):
+    """Length of the run of `present` blocks from block `start` on."""
+    return jnp.sum(jnp.cumprod(jnp.where(j >= start, present, True).astype(jnp.int32)) * (j >= start)).astype(jnp.int64)
+
+
+# ----------------------------------------------------------------------------- after execution
+
+
+def _store_request(state, dims: EngineDims, params: OffloadParams, req, r, upto, active):
+    """vLLM prepare_store of request r's blocks [stored, upto) (all or nothing: skipped when too
+    few CPU slots are evictable), a write of every fresh block to every tier, then (if any was
+    fresh) a touch of its blocks [0, upto)."""
+    off = state.off
+    j, keys, _ = _prompt_keys(dims, req, r)
+    slot = state.cpu_key_slot[keys]
+    fresh = active & (j >= off.stored[r]) & (j < upto) & (slot < 0)
+    n_fresh = jnp.sum(fresh).astype(jnp.int64)
+    evict = n_fresh - (params.capacity - state.cpu_count)
+    skip = active & (evict > 0) & (_evictable(state) < evict)
+    go = active & ~skip
+    fresh = fresh & go
+    state = _evict_lru(state, dims, jnp.where(go, jnp.maximum(evict, 0), 0))
+    state = _insert(state, dims, params, keys, fresh, dims.offload_tiers, -1)
+    state = _touch(state, keys, go & (n_fresh > 0) & (j < upto))
+    # the writes, block by block and tier by tier
+    t = max(dims.offload_tiers, 1)
+    order = jnp.nonzero(fresh, size=dims.blocks_per_request, fill_value=0)[0]
+    n_jobs = jnp.where(go, n_fresh, 0) * dims.offload_tiers
+
+    def body(c, ops, on):
+        off, k, full = c
+        keys, order, now, params = ops
+        off, _, overflow = submit(off, dims, params, now, (k % t).astype(jnp.int32), WRITE, params.block_bytes,
+                                  keys[order[k // t]], on)
+        return off, k + on, full | overflow
+
+    off, _, full = masked_while(lambda c, ops: (c[1] < ops[0]) & ~c[2],
+                                lambda c, ops, on: body(c, ops[1:], on),
+                                (state.off, jnp.int64(0), jnp.asarray(False)), (n_jobs, keys, order, state.now, params))
+    off = dataclasses.replace(off, stored=off.stored.at[jnp.where(go, r, dims.num_requests)].set(upto, mode="drop"),
+                              store_skips=off.store_skips + skip, writes=off.writes + n_jobs)
+    return dataclasses.replace(state, off=off, cpu_stores=state.cpu_stores + jnp.where(go, n_fresh, 0),
+                               result=state.result | jnp.where(full, results.OFFLOAD_FULL, 0).astype(jnp.int32))
+
+
+def after_execution(state, dims: EngineDims, params, req, active):
+    """Poll the stations, then each running request (batch order) stores its new prompt blocks.
+    (As the reference: a request's computed prompt blocks, its decode blocks not even with
+    offload_prompt_only off.)"""
+    state = poll(state, dims, active)
+    # the requests with new prompt blocks, in batch order: the loop visits only those (most of a
+    # batch is decoding, and a store's slot search is O(CPU slots))
+    slots = jnp.arange(dims.batch_slots)
+    rows = jnp.maximum(state.batch_rows, 0)
+    r = jnp.maximum(state.row_req[rows], 0)
+    upto = jnp.minimum(state.row_progress[rows], req.input_len[r]) // dims.block_size
+    new = active & (slots < state.batch_len) & (upto > state.off.stored[r])
+    order = jnp.nonzero(new, size=dims.batch_slots, fill_value=0)[0]
+
+    def body(c, ops, on):
+        state, k = c
+        params, req, order, r, upto, _ = ops
+        i = order[k]
+        return _store_request(state, dims, params.off, req, r[i], upto[i], on), k + on
+
+    return masked_while(lambda c, ops: c[1] < ops[-1], body, (state, jnp.int32(0)),
+                        (params, req, order, r, upto, jnp.sum(new).astype(jnp.int32)))[0]
+
+
+# ----------------------------------------------------------------------------- batch formation
+
+
+def _promote(state, dims: EngineDims, params: OffloadParams, r, keys, j, tier, start, length, active):
+    """A promotion read of blocks [start, start + length) from `tier` (all of them read; those not
+    on CPU take CPU slots, ref -1) if the CPU tier has room for them among its free and
+    evictable slots, else refused. Returns (state, submitted)."""
+    run = (j >= start) & (j < start + length)
+    new = run & (state.cpu_key_slot[keys] < 0)
+    n_new = jnp.sum(new).astype(jnp.int64)
+    room = params.capacity - state.cpu_count + _evictable(state)
+    go = active & (n_new <= room)
+    off, job, overflow = submit(state.off, dims, params, state.now, tier, READ,
+                                length.astype(jnp.float64) * params.block_bytes, r.astype(jnp.int64), go)
+    go = go & ~overflow
+    off = dataclasses.replace(off, attempted=off.attempted + active, refused=off.refused + (active & ~go & ~overflow),
+                              promotion_blocks=off.promotion_blocks + jnp.where(go, length, 0),
+                              promo=off.promo.at[jnp.where(go, r, dims.num_requests)].set(PROMOTING, mode="drop"))
+    state = dataclasses.replace(state, off=off,
+                                result=state.result | jnp.where(overflow, results.OFFLOAD_FULL, 0).astype(jnp.int32))
+    state = _evict_lru(state, dims, jnp.where(go, jnp.maximum(n_new - (params.capacity - state.cpu_count), 0), 0))
+    return _insert(state, dims, params, keys, new & go, -1, job.astype(jnp.int32)), go
+
+
+def before_admission(state, dims: EngineDims, params, req, r, n_hit, active):
+    """The skip-scan's look at waiting request r (GPU prefix `n_hit` blocks): deferred while its
+    promotion read is in flight; a promotion submitted (and r deferred) when its prefix continues,
+    past the blocks on CPU, on a secondary tier. Returns (state, skipped, promoted earlier)."""
+    off = state.off
+    p = off.promo[r]
+    deferred = active & (p == PROMOTING)
+    j, keys, n_full = _prompt_keys(dims, req, r)
+    slot = state.cpu_key_slot[keys]
+    on_cpu = (slot >= 0) & (off.slot_ref[jnp.maximum(slot, 0)] >= 0) & (j < n_full)
+    far_start = n_hit + _run_from(n_hit, on_cpu, j)
+    runs = jnp.stack([_run_from(far_start, off.on_tier[t, keys] & (j < n_full), j)
+                      for t in range(dims.offload_tiers)]) if dims.offload_tiers else jnp.zeros(1, jnp.int64)
+    tier = jnp.argmax(runs).astype(jnp.int32)   # the longest run, the first tier on a tie
+    want = active & ~deferred & (p == NO_PROMOTION) & (runs[tier] > 0)
+    state, promoted = _promote(state, dims, params.off, r, keys, j, tier, far_start, runs[tier], want)
+    skipped = deferred | promoted
+    proceeds = active & ~skipped
+    off = state.off
+    return dataclasses.replace(state, off=dataclasses.replace(
+        off, promo=off.promo.at[jnp.where(proceeds, r, dims.num_requests)].set(NO_PROMOTION, mode="drop"))), \
+        skipped, proceeds & (p == PROMOTED)
+
+
+def after_reload(state, dims: EngineDims, req, r, n_hit, n_reload):
+    """The reloaded CPU continuation is touched (block order) and counted."""
+    j, keys, _ = _prompt_keys(dims, req, r)
+    state = _touch(state, keys, (j >= n_hit) & (j < n_hit + n_reload))
+    return dataclasses.replace(state, off=dataclasses.replace(state.off, cpu_reloads=state.off.cpu_reloads + n_reload))
+
+
+# ----------------------------------------------------------------------------- the skip-scan's cursor
+# fcfs wait queue (waitqueue.py): the preempted stack (top first), then FIFO positions. The cursor
+# is (front entries skipped, FIFO position of the current candidate); admitted FIFO entries past
+# the head are marked `taken` so that the head skips them (waitqueue._skip_gone).
+
+
+def _fifo_gone(state, pos):
+    slot = pos & (state.win_status.shape[0] - 1)
+    return (state.win_status[slot] != QUEUED) | state.off.taken[slot]
+
+
+def _next_fifo(state, pos):
+    """The first FIFO position >= pos still waiting (or enq_pos)."""
+    return masked_while(lambda c, s: (c < s.enq_pos) & _fifo_gone(s, c), lambda c, s, on: c + on, pos, state)
+
+
+def cursor_start(state):
+    return jnp.int32(0), _next_fifo(state, state.fifo_head)
+
+
+def cursor_valid(state, cursor):
+    k, pos = cursor
+    return (k < state.front_len) | (pos < state.enq_pos)
+
+
+def candidate(state, cursor):
+    """(request at the cursor, whether it is a preempted one)."""
+    k, pos = cursor
+    from_front = k < state.front_len
+    n = state.enqueue_order.shape[0]
+    r = jnp.where(from_front, state.front[jnp.maximum(state.front_len - 1 - k, 0)],
+                  state.enqueue_order[jnp.minimum(pos, n - 1)])
+    return r, from_front
+
+
+def take(state, dims: EngineDims, r, from_front, cursor, admit):
+    """Remove the admitted candidate from the wait queue."""
+    from blis_jax.engine import waitqueue
+
+    state = waitqueue.remove(state, dims, r, admit & from_front)
+    fifo = admit & ~from_front
+    slot = jnp.where(fifo, cursor[1] & (dims.window - 1), dims.window)
+    return dataclasses.replace(state, wait_len=state.wait_len - fifo,
+                               off=dataclasses.replace(state.off, taken=state.off.taken.at[slot].set(True, mode="drop")))
+
+
+def advance(state, cursor, from_front, passed, admitted):
+    """The cursor after the candidate was passed over (skipped) or admitted."""
+    k, pos = cursor
+    k = k + (passed & from_front)
+    moved = (passed | admitted) & ~from_front
+    pos = jnp.where(moved, _next_fifo(state, pos + moved), pos)
+    return k, pos
