@@ -7,7 +7,6 @@ chain's KV Thrashing Rate. Simulating the chain is the engine's (tests of engine
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
 import math
 
@@ -36,7 +35,6 @@ from shared_data import BLIS_DIFF, BLIS_REF, needs_blis_diff, needs_blis_ref
 G03 = BLIS_DIFF / "G03_multitier_cpu_fs_nvme_llama8b"
 G04 = BLIS_DIFF / "G04_multitier_cpu_fs_jitter_llama8b"
 LLAMA8B_BLOCK = 16 * 131072   # KV bytes of one 16-token block of Llama-3.1-8B at TP1 (G03's case notes)
-ENGINE_HAS_OFFLOAD = importlib.util.find_spec("blis_jax.engine.offload") is not None
 
 
 def header_block(case) -> dict:
@@ -339,13 +337,6 @@ def test_cli_errors_name_the_flag(tmp_path):
     assert rc != 0 and "--kv-offload-config: the multi-tier KV offload chain is simulated on a single instance" in err
 
 
-@pytest.mark.skipif(ENGINE_HAS_OFFLOAD, reason="the engine simulates the chain (tests of engine/offload.py)")
-def test_without_the_engine_chain_a_run_is_refused(tmp_path):
-    good = _write_yaml(tmp_path, good_yaml())
-    rc, _, err = _cli("run", "--kv-offload-config", good, "--num-requests", "2")
-    assert rc != 0 and "not simulated by this build of blis-jax yet" in err
-
-
 def test_run_trace_header_carries_the_resolved_block(tmp_path):
     path = _write_yaml(tmp_path, good_yaml())
     config = ScenarioConfig(deployment=Deployment(kv_offload_config=path, total_kv_blocks=1600))
@@ -407,16 +398,6 @@ def test_replay_of_a_header_block_resolves_and_warns_on_other_block_bytes(tmp_pa
     yaml_path, csv_path = _small_trace(tmp_path, TraceHeader(extra={"kv_offload": bad}))
     with pytest.raises(ConfigError, match=r"^workload.header .*t.yaml: kv_offload.eviction_policy 'arc': use lru"):
         resolve(ScenarioConfig(workload=TraceWorkload(header=yaml_path, data=csv_path)))
-
-
-@pytest.mark.skipif(ENGINE_HAS_OFFLOAD, reason="the engine simulates the chain (tests of engine/offload.py)")
-def test_without_the_engine_chain_a_replay_is_refused(tmp_path):
-    from blis_jax.scenario import simulate
-
-    block = {"cpu_bytes_to_use": 1 << 30, "per_block_bytes": LLAMA8B_BLOCK}
-    yaml_path, csv_path = _small_trace(tmp_path, TraceHeader(extra={"kv_offload": block}))
-    with pytest.raises(ConfigError, match=r"kv_offload: the multi-tier KV offload chain is not simulated"):
-        simulate(ScenarioConfig(workload=TraceWorkload(header=yaml_path, data=csv_path)))
 
 
 def test_a_tiered_observed_trace_needs_an_offload_chain(tmp_path):
@@ -486,3 +467,36 @@ def test_sweeps_batches_and_sensitivity_refuse_the_chain(tmp_path):
         simulate_batch([scenario])
     rc, _, err = _cli("sensitivity", "--kv-offload-config", path, "--num-requests", "2")
     assert rc != 0 and "--kv-offload-config: sensitivity does not simulate" in err
+
+
+@needs_blis_diff
+def test_a_replay_simulates_the_header_s_offload_chain(tmp_path):
+    """`blis-jax replay` of G03's trace (its header's kv_offload block, no flag) runs the chain:
+    promotions from the fs tier happen, the report has the chain's thrashing line, and the
+    results are BLIS's for the requests the chain matches (the first 82: tests/blis_diff.py
+    OFFLOAD_GAPS); without the block the replay leaves BLIS's results by request 40."""
+    import json
+
+    from test_cli import replay_case
+
+    case_dir, out = replay_case("G03", tmp_path)
+    assert "KV Thrashing Rate: 0.0000" in out
+    got = {r["request_id"]: (r["ttft_us"], r["e2e_us"]) for r in json.loads((tmp_path / "results.json").read_text())}
+    ref = {r["request_id"]: (r["ttft_us"], r["e2e_us"]) for r in json.loads((case_dir / "results.json").read_text())}
+    first_off = min((r for r in sorted(ref) if got[r] != ref[r]), default=len(ref))
+    assert first_off >= 82 and sum(got[r] == ref[r] for r in ref) >= 82
+
+    from blis_jax.scenario import simulate
+    from blis_jax.scenario.config import TraceWorkload as TW
+
+    header = yaml.safe_load((case_dir / "trace.yaml").read_text())
+    del header["kv_offload"]
+    (tmp_path / "plain.yaml").write_text(yaml.safe_dump(header))
+    config = ScenarioConfig(deployment=Deployment(model="meta-llama/Llama-3.1-8B-Instruct", hardware="H100", tp=1,
+                                                  total_kv_blocks=1600, coefficients="iter29"),
+                            workload=TW(header=tmp_path / "plain.yaml", data=case_dir / "trace.csv"))
+    result = simulate(config)
+    assert result.output.offload_counts is None
+    plain = dict(zip(result.requests.request_id.tolist(), zip(result.output.ttft_us.tolist(),
+                                                              result.output.e2e_us.tolist())))
+    assert min(r for r in sorted(ref) if plain[r] != ref[r]) < 82

@@ -65,6 +65,8 @@ def run_case(case_id: str, tmp_path):
     case_dir = next(BLIS_DIFF.glob(f"{case_id}_*"))
     case = json.loads((case_dir / "case.json").read_text())
     argv = ["run"] + [str(case_dir / a) if (case_dir / a).is_file() else a for a in case["generation_args"]]
+    if "defaults" in case.get("config_files", {}):   # BLIS's run read a modified defaults.yaml in place
+        argv += ["--defaults-filepath", str(case_dir / "defaults.yaml")]
     argv += ["--log", "info"]   # the autoscaler's drain and placement lines are info
     argv[argv.index("--trace-output") + 1] = str(tmp_path / "trace")
     out, err = io.StringIO(), io.StringIO()

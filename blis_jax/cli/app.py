@@ -282,6 +282,9 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="multi-tier KV offload YAML (top-level kv_offload:): a CPU staging tier and fs tiers "
                         "(one instance; mutually exclusive with --kv-cpu-blocks; a replayed trace's kv_offload "
                         "header block takes precedence)")
+    g.add_argument("--defaults-filepath", default=None, metavar="FILE",
+                   help="BLIS defaults.yaml: blis-jax reads only its kv_offload_devices (device classes for "
+                        "--kv-offload-config, added to BLIS's shipped ones); its other presets are built in")
 
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--lora-config", default=None, metavar="FILE",

@@ -96,7 +96,7 @@ def deployment(args: argparse.Namespace) -> Deployment:
         max_model_len=args.max_model_len,
         kv_cpu_blocks=args.kv_cpu_blocks, kv_offload_threshold=args.kv_offload_threshold,
         kv_transfer_bandwidth=args.kv_transfer_bandwidth, kv_transfer_base_latency=args.kv_transfer_base_latency,
-        kv_offload_config=args.kv_offload_config,
+        kv_offload_config=args.kv_offload_config, defaults_filepath=args.defaults_filepath,
         prefill_hardware=args.prefill_hardware, prefill_tp=args.prefill_tp,
         prefill_max_model_len=args.prefill_max_model_len, decode_hardware=args.decode_hardware,
         decode_tp=args.decode_tp, decode_max_model_len=args.decode_max_model_len,

@@ -104,6 +104,10 @@ def validate(cfg) -> None:
         raise ConfigError(f"kv_offload.per_block_bytes must be > 0, got {cfg.per_block_bytes!r}")
     if int(cfg.cpu_bytes_to_use) < 0:
         raise ConfigError(f"kv_offload.cpu_bytes_to_use must be >= 0, got {cfg.cpu_bytes_to_use!r}")
+    if not cfg.offload_prompt_only:
+        # BLIS then also stores decode blocks; the engine stores prompt blocks only
+        raise ConfigError("kv_offload.offload_prompt_only: false (storing decode blocks too) is not simulated by "
+                          "blis-jax yet (issue #24); use true (BLIS's default)")
     for i, t in enumerate(cfg.tiers):
         for name in ("n_read_threads", "n_write_threads", "saturation_queue_depth"):
             if int(getattr(t, name)) < 1:
@@ -372,9 +376,8 @@ def _store_request(state, dims: EngineDims, params: OffloadParams, req, r, upto,
 
 
 def after_execution(state, dims: EngineDims, params, req, active):
-    """Poll the stations, then each running request (batch order) stores its new prompt blocks.
-    (As the reference: a request's computed prompt blocks, its decode blocks not even with
-    offload_prompt_only off.)"""
+    """Poll the stations, then each running request (batch order) stores its new prompt blocks
+    (offload_prompt_only; `validate` refuses it off)."""
     state = poll(state, dims, active)
     # the requests with new prompt blocks, in batch order: the loop visits only those (most of a
     # batch is decoding, and a store's slot search is O(CPU slots))

@@ -78,6 +78,9 @@ class Deployment:
     # BLIS's multi-tier KV offload chain (config/kv_offload.py): its YAML, None = none. A
     # replayed trace's header block replaces it (the header is authoritative)
     kv_offload_config: str | Path | None = None
+    # BLIS's defaults.yaml (--defaults-filepath): blis-jax reads only its `kv_offload_devices`,
+    # device classes added to the shipped ones for the chain's `device_class`; None = none
+    defaults_filepath: str | Path | None = None
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 0
     prefill_hardware: str | None = None
@@ -112,6 +115,10 @@ class Deployment:
                                   f"(leave it unset to use {name('deployment.tp')})")
         _check_int("deployment.kv_cpu_blocks", self.kv_cpu_blocks, 0, limits.MAX_KV_BLOCKS, " blocks")
         _check_int("deployment.kv_transfer_base_latency", self.kv_transfer_base_latency, 0)
+        if self.defaults_filepath is not None and (not isinstance(self.defaults_filepath, (str, Path))
+                                                   or not str(self.defaults_filepath).strip()):
+            raise ConfigError(f"{name('deployment.defaults_filepath')}: give the path of a BLIS defaults.yaml "
+                              "(its kv_offload_devices are read), or leave it unset")
         if self.kv_offload_config is not None:
             if not isinstance(self.kv_offload_config, (str, Path)) or not str(self.kv_offload_config).strip():
                 raise ConfigError(f"{name('deployment.kv_offload_config')}: give the path of a multi-tier KV offload "

@@ -19,7 +19,7 @@ from blis_jax.cluster.deployments import PoolDeployment
 from blis_jax.cluster.simulate import ClusterConfig, unservable_models
 from blis_jax.config import auto_kv_blocks, auto_max_model_len, load_coefficients, load_gpu, load_model
 from blis_jax.config.kv_capacity import kv_block_bytes, kv_bytes_per_token
-from blis_jax.config.kv_offload import from_header_block, load_offload_config, to_header_block
+from blis_jax.config.kv_offload import device_classes, from_header_block, load_offload_config, to_header_block
 from blis_jax.errors import ConfigError
 from blis_jax.scenario.config import (
     DEFAULT_HARDWARE,
@@ -169,6 +169,9 @@ def resolve_deployment(config: ScenarioConfig, *, horizon_us: int | None, warn: 
         warn(f'{name("cluster.encode_instances")}={cluster.encode_instances} has no effect because '
              f'{name("cluster.encode_decider")}="never" (no request is encoded; the encode instances stay idle); '
              f'set {name("cluster.encode_decider")} always or multimodal to enable')
+    if d.defaults_filepath is not None:
+        warn(f"{name('deployment.defaults_filepath')} {d.defaults_filepath}: only its kv_offload_devices are read "
+             "(device classes for the offload chain); blis-jax's other presets and coefficients are built in")
     kind, alpha, beta = _coefficients(d)
     arch = load_model(d.model)  # ids are matched case-insensitively, as BLIS lower-cases them
     hardware, tp = _hardware_and_tp(d, arch.hf_id)
@@ -376,8 +379,11 @@ def _offload(d: Deployment, arch, tp: int):
     tier counts blocks of this model's KV bytes per GPU block at this TP."""
     if d.kv_offload_config is None:
         return None
+    devices = None
+    if d.defaults_filepath is not None:
+        devices = {**device_classes(), **device_classes(d.defaults_filepath)}
     return load_offload_config(d.kv_offload_config, kv_block_bytes(arch, tp, d.block_size), d.block_size,
-                               source=f"{name('deployment.kv_offload_config')} {d.kv_offload_config}")
+                               devices=devices, source=f"{name('deployment.kv_offload_config')} {d.kv_offload_config}")
 
 
 def _kv_blocks(d: Deployment, arch, gpu, tp: int, warn: Warn, lora_reserve_gib: float = 0.0) -> int:

@@ -181,6 +181,7 @@ def _table() -> tuple[Setting, ...]:
         _s("kv-transfer-bandwidth", "deployment.kv_transfer_bandwidth", float),
         _s("kv-transfer-base-latency", "deployment.kv_transfer_base_latency", int),
         _s("kv-offload-config", "deployment.kv_offload_config", str),
+        _s("defaults-filepath", "deployment.defaults_filepath", str),
         # batch formation and scheduling
         _s("max-num-seqs", "engine.max_num_seqs", int, aliases=("max-num-running-reqs",)),
         _s("max-num-batched-tokens", "engine.max_num_batched_tokens", int, aliases=("max-num-scheduled-tokens",)),

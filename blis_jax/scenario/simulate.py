@@ -127,7 +127,6 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
             raise ConfigError(f"{_offload_source(resolved)}: the multi-tier KV offload chain is simulated "
                               "on a single instance only for now (without closed-loop sessions); use one instance "
                               "or drop the offload configuration" + _warm_up_note(resolved))
-        _check_engine_offload(resolved)
         # the chain's jitter draws come from the run seed's kv-offload stream (blis-rng §10.3)
         settings.update(offload=resolved.offload, seed=resolved.cluster.seed)
     params, model, requests, views = resolved.params, resolved.latency_model, resolved.requests, None
@@ -166,21 +165,6 @@ def _offload_source(resolved) -> str:
     if isinstance(config.workload, TraceWorkload) and config.deployment.kv_offload_config is None:
         return f"{name('workload.header')} {config.workload.header}: kv_offload"
     return name("deployment.kv_offload_config")
-
-
-def _check_engine_offload(resolved) -> None:
-    """The engine's offload chain (engine/offload.py, keywords `offload` and `seed` of
-    simulate_instance) may be absent from this build: refuse rather than simulate without it."""
-    import importlib.util
-    import inspect
-
-    from blis_jax.engine.simulate import simulate_instance
-
-    if (importlib.util.find_spec("blis_jax.engine.offload") is None
-            or not {"offload", "seed"} <= set(inspect.signature(simulate_instance).parameters)):
-        raise ConfigError(f"{_offload_source(resolved)}: the multi-tier KV offload chain is not simulated "
-                          "by this build of blis-jax yet (issue #24); drop the offload configuration (or, for a "
-                          "replay, the trace header's kv_offload block) to simulate without it")
 
 
 def _warn_routing_rejections(out, requests, warn: Warn | None) -> None:
