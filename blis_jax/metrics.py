@@ -488,6 +488,16 @@ def offload_thrashing_rate(counts: Mapping[str, np.ndarray]) -> float:
     return float(rates.mean())
 
 
+def cpu_tier_thrashing_rate(counts) -> float:
+    """The legacy CPU tier's KV Thrashing Rate from its per-instance (misses, stores, evictions)
+    (SimOutput.cpu_tier_counts): per instance, evictions / stores (0 without stores), then the
+    mean over instances, as BLIS averages its per-instance rates (blis-features §1.9)."""
+    stores, evictions = (np.asarray(c, np.int64).reshape(-1) for c in counts[1:])
+    if stores.size == 0:
+        return 0.0
+    return float(np.where(stores > 0, evictions / np.maximum(stores, 1), 0.0).mean())
+
+
 def kv_cache_metrics(out: SimOutput, thrashing_rate: float = 0.0) -> KVCacheMetrics:
     """Preemption rate = preemptions / completed; hit rate averaged over instances;
     thrashing comes from a tiered KV store when one exists: the legacy CPU tier's evictions /
@@ -498,9 +508,8 @@ def kv_cache_metrics(out: SimOutput, thrashing_rate: float = 0.0) -> KVCacheMetr
         # the offload chain (engine/offload.py), whose CPU staging tier may fill cpu_tier_counts
         # too: its rate is the promotions', not the legacy tier's evictions / stores
         thrashing_rate = offload_thrashing_rate(out.offload_counts)
-    elif out.cpu_tier_counts is not None:  # CPU-tier evictions / stores (cluster-wide sums)
-        stores, evictions = (int(np.sum(c)) for c in out.cpu_tier_counts[1:])
-        thrashing_rate = evictions / stores if stores else 0.0
+    elif out.cpu_tier_counts is not None:
+        thrashing_rate = cpu_tier_thrashing_rate(out.cpu_tier_counts)
     return KVCacheMetrics(preemption_rate=preemptions / completed if completed else 0.0,
                           cache_hit_rate=cache_hit_rate(out), thrashing_rate=float(thrashing_rate))
 
@@ -673,6 +682,7 @@ __all__ = [
     "goodput_fields",
     "instance_name",
     "is_completed",
+    "cpu_tier_thrashing_rate",
     "kv_cache_metrics",
     "mean_ms",
     "metrics_output",

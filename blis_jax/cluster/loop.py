@@ -42,7 +42,7 @@ from blis_jax.cluster import pd as pd_rules
 from blis_jax.cluster import scorers as sc
 from blis_jax.cluster import transfers as xfer
 from blis_jax.cluster._numerics import exact_div
-from blis_jax.engine import events, inbox, kv, results, transfer
+from blis_jax.engine import events, inbox, kv, offload, results, transfer
 from blis_jax.engine import simulate as engine
 from blis_jax.engine.dims import EngineDims
 from blis_jax.engine.loops import masked_while
@@ -270,8 +270,13 @@ def init_cluster(cd: ClusterDims, params: EngineParams, cparams: ClusterParams, 
     with warm-up). `warm_up_requests`: W (used when `cd.warm_up`)."""
     dims, i = cd.engine, cd.num_instances
     never = jnp.full(dims.num_requests, INF_TIME, jnp.int64)
-    instances = jax.vmap(lambda blocks: inbox.empty(init_state(dims, req, never, params.horizon_us, blocks)))(
-        cparams.total_kv_blocks)
+    def one(blocks):
+        state = inbox.empty(init_state(dims, req, never, params.horizon_us, blocks))
+        if dims.offload:  # each instance its own offload chain (engine/offload.py)
+            state = dataclasses.replace(state, off=offload.init_state(dims, params.off))
+        return state
+
+    instances = jax.vmap(one)(cparams.total_kv_blocks)
     frozen = (group_blocks_cached(instances, dims) if cd.reads_prefix_cache else jnp.zeros((i, 1, 1), bool))
     n = dims.num_requests
     policy, prefill_routing, decode_routing = routings
@@ -814,7 +819,7 @@ def _route_ahead(cs: ClusterState, cd: ClusterDims, params, cparams: ClusterPara
 
 def overflowed(cs: ClusterState):
     full = cs.gateway.full if cs.gateway is not None else False
-    return (jnp.any((cs.instances.result & results.GROWABLE) != 0) | (cs.result != 0) | full
+    return (jnp.any((cs.instances.result & results.growable(cs.instances)) != 0) | (cs.result != 0) | full
             | scaling.overflowed(cs.scaling))
 
 

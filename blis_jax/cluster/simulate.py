@@ -35,7 +35,8 @@ from blis_jax.engine.dims import bucket, choose_dims
 from blis_jax.engine.growth import Growth, run_growing
 from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.params import INF_TIME, EngineParams
-from blis_jax.engine.simulate import request_arrays, to_output, with_adapter_counts, with_lora
+from blis_jax.engine.simulate import (request_arrays, to_output, with_adapter_counts, with_cpu_tier, with_lora,
+                                      with_offload, with_tier_params)
 from blis_jax.errors import ConfigError
 from blis_jax.naming import name
 from blis_jax.rng.go_jax import go_stream
@@ -377,6 +378,9 @@ def _simulate_cluster_views(
     batch_start: int | None = None,
     startup: infra.StartupInstances | None = None,
     lora=None,
+    cpu_tier=None,
+    offload=None,
+    seed: int | None = None,
     prepare: bool = False,
 ) -> tuple[so.SimOutput, InstanceViews | None]:
     """`simulate_cluster`, plus the per-instance views when there are PD pools.
@@ -386,6 +390,10 @@ def _simulate_cluster_views(
     `batch_start`: running-batch slots to start with (`dims.choose_dims`; a full batch reruns
     the cluster wider, same outputs); `startup`: the startup instances placed on node pools
     (which exist, their KV blocks, when each becomes routable), None without node pools;
+    `cpu_tier` (engine/cpu_tier.CpuTier) / `offload` (config.kv_offload.OffloadConfig): a KV tier
+    below each instance's GPU cache, every instance with its own store and counters; the chain's
+    jitter draws come from the `kv-offload` stream of `seed` (default: the cluster's seed), the
+    same on every instance as in BLIS (blis-rng §10.3);
     `prepare`: return the run taken apart (`PreparedCluster`) instead of running it."""
     cluster = cluster.validate()
     if (prefill_pool or decode_pool) and not cluster.pd:
@@ -404,6 +412,10 @@ def _simulate_cluster_views(
                               "the PD pools")
         adapters = lora.adapter_index(lora_mod.adapter_labels(requests))
         params = lora_mod.with_params(params, lora)
+    if cpu_tier is not None or offload is not None:
+        _check_tiers(cluster, autoscaler, startup, offload, scheduler)
+        params = with_tier_params(params, block_size, cpu_tier, offload)
+    seed = cluster.seed if seed is None else seed
     kv_blocks = deploy.largest_kv_blocks(params, prefill_pool, decode_pool)
     slot_ids = jnp.arange(cluster.slots)
     prefill_role, decode_role = cluster.pool_masks() if cluster.pd else (slot_ids < 0, slot_ids >= 0)
@@ -432,6 +444,12 @@ def _simulate_cluster_views(
             step_log=events_per_chunk, batch_start=batch_start,
         )
         edims = with_lora(dataclasses.replace(edims, sample_wait=True), lora)  # sample_wait: HOL blocking events
+        edims = with_offload(with_cpu_tier(edims, cpu_tier), offload, growth.offload)
+        run_params = params
+        if offload is not None:  # every instance's chain draws the same jitter stream (blis-rng §10.3)
+            from blis_jax.engine import offload as offload_mod
+
+            run_params = dataclasses.replace(params, off=offload_mod.make_params(offload, edims, seed))
         if cluster.pd:
             edims = dataclasses.replace(edims, exit_log=2 * edims.batch_slots, transfers=True)
         shared = cluster.pd and cluster.prefill_decode_instances > 0
@@ -464,13 +482,13 @@ def _simulate_cluster_views(
         req = request_arrays(requests, edims, adapters=adapters)
         streams = tuple(go_stream(subsystem_seed(cluster.seed, name))   # blis-rng §2: seed XOR fnv1a64(name)
                         for name in (ROUTER, PREFILL_ROUTER, DECODE_ROUTER))
-        cs = _init(cd, params, cparams, req, deployed.model, cluster.admission(),
+        cs = _init(cd, run_params, cparams, req, deployed.model, cluster.admission(),
                    routings, streams, cluster.snapshot_refresh_interval_us,
                    cluster.cache_signal_delay_us, lifecycle0,
                    scaling_setup.state(cd) if scaling_setup is not None else None,
                    warm_up_requests=cluster.warm_up_request_count)
         readers = [ItlLogReader() for _ in range(cluster.slots)]
-        inputs = jax.device_put((params, cparams, req, deployed.model))
+        inputs = jax.device_put((run_params, cparams, req, deployed.model))
         return cd, cs, inputs, readers, edims
 
     def attempt(growth: Growth):
@@ -542,6 +560,21 @@ def _finish_cluster(cs, edims, code, readers, *, requests, params, cluster, star
                                     variants=scaling_setup.variants, node_names=scaling_setup.node_names)
     return dataclasses.replace(out, instance_names=tuple(names), cluster_log=tuple(log),
                                instance_entered=np.asarray(jax.device_get(cs.entered))[:built]), views
+
+
+def _check_tiers(cluster: ClusterConfig, autoscaler, startup, offload, scheduler: str) -> None:
+    """The cluster configurations a KV tier (--kv-cpu-blocks, a kv_offload chain) runs in: each
+    instance keeps its own store; what would move requests or KV between instances, or create
+    instances during the run, is not simulated with one yet (issue #24)."""
+    flag = name("deployment.kv_offload_config") if offload is not None else name("deployment.kv_cpu_blocks")
+    if cluster.pd:
+        raise ConfigError(f"{flag}: a CPU KV tier with PD disaggregation is not simulated yet; drop the PD pools "
+                          "(--prefill-instances/--decode-instances) or the tier")
+    if autoscaler is not None or startup is not None:
+        raise ConfigError(f"{flag}: a CPU KV tier with the autoscaler or node pools is not simulated yet; drop "
+                          "the autoscaler / node_pools or the tier")
+    if offload is not None and scheduler != "fcfs":
+        raise ConfigError("kv_offload: the multi-tier KV offload chain runs with the fcfs scheduler for now")
 
 
 def _place(deployed: deploy.InstanceDeployments, startup: infra.StartupInstances, cluster: ClusterConfig):
@@ -863,6 +896,7 @@ def merge_outputs(cs: loop.ClusterState, dims, params: EngineParams, requests: R
         lanes.append(to_output(s, dims, params, requests, code, readers[i], clock_sees_arrivals=False))
         admit_steps.append(np.asarray(s.out_admit_step[:n]))
     fields = combine(lanes, handled)
+    fields.update(tier_counts(lanes))
     views = None
     if pools is not None:
         fields, views = _pd_parents(fields, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n,
@@ -927,6 +961,19 @@ def combine(lanes: list[so.SimOutput], handled: np.ndarray) -> dict:
     return dict(**per_request, **counters,
                 itl_step_us=np.concatenate(step_parts) if step_parts else np.zeros(0, np.int32),
                 itl_runs=np.concatenate(run_parts) if run_parts else np.zeros((0, 3), np.int64))
+
+
+def tier_counts(lanes: list[so.SimOutput]) -> dict:
+    """The KV tiers' counters of the instances' outputs, one entry per instance [I] (none
+    without a tier)."""
+    first = lanes[0] if lanes else None
+    out = {}
+    if first is not None and first.cpu_tier_counts is not None:
+        out["cpu_tier_counts"] = tuple(np.concatenate([o.cpu_tier_counts[k] for o in lanes]) for k in range(3))
+        out["cpu_reload_failures"] = np.concatenate([o.cpu_reload_failures for o in lanes])
+    if first is not None and first.offload_counts is not None:
+        out["offload_counts"] = {k: np.concatenate([o.offload_counts[k] for o in lanes]) for k in first.offload_counts}
+    return out
 
 
 def _pd_parents(fields: dict, lanes, admit_steps, handled, disaggregated, prefill_by, tr, n, requests, pools):

@@ -151,21 +151,23 @@ def mirror(state, dims: EngineDims, params, active):
     new_before = jnp.cumsum(last_of_new) - last_of_new
 
     # Eviction of the `evict` least recently used of the old entries and the new keys: a loop of
-    # at most one iteration so that under vmap the sort runs only on lanes that evict.
+    # at most one iteration so that under vmap the sort runs only on lanes that evict. The traced
+    # values it reads are operands: a custom vmap rule (masked_while) cannot close over batched
+    # ones, as a cluster's instances are.
     def cond(carry, ops):
         return ~carry[-1] & (ops[0] > 0)
 
     def body(carry, ops, on):
         slot_key, slot_stamp, key_slot, dropped, _ = carry
-        evict, = ops
+        evict, tick, new_before, last_pos, stamp, new = ops
         occupied = slot_key >= 0
         by_stamp = jnp.where(occupied, slot_stamp, BIG)
         order = jnp.argsort(by_stamp)
         rank = jnp.zeros(c, jnp.int64).at[order].set(jnp.arange(c, dtype=jnp.int64))
         # An entry's rank among old and new together: its rank among the old ones plus the new keys
         # used before it (none before an entry this pass did not touch: its stamp is below the tick).
-        touched = occupied & (slot_stamp >= state.cpu_tick)
-        rank = rank + jnp.where(touched, new_before[jnp.clip(slot_stamp - state.cpu_tick, 0, m - 1)], 0)
+        touched = occupied & (slot_stamp >= tick)
+        rank = rank + jnp.where(touched, new_before[jnp.clip(slot_stamp - tick, 0, m - 1)], 0)
         gone = on & occupied & (rank < evict)
         new_rank = new_before[jnp.clip(last_pos, 0, m - 1)] + jnp.searchsorted(by_stamp[order], stamp)
         key_slot = key_slot.at[jnp.where(gone, slot_key, nk)].set(-1, mode="drop")
@@ -174,7 +176,7 @@ def mirror(state, dims: EngineDims, params, active):
 
     slot_key, slot_stamp, key_slot, dropped, _ = masked_while(
         cond, body, (state.cpu_slot_key, slot_stamp, state.cpu_key_slot, jnp.zeros(m, bool), jnp.asarray(False)),
-        (evict,))
+        (evict, state.cpu_tick, new_before, last_pos, stamp, new))
     # The new entries kept, in order of first use, into the free slots below the capacity, in slot order.
     kept = new & ~dropped
     empty = (slot_key < 0) & (jnp.arange(c) < params.cpu.capacity)

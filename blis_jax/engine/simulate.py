@@ -284,23 +284,13 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
 
         adapters = lora.adapter_index(lora_mod.adapter_labels(requests))
         params = lora_mod.with_params(params, lora)
-    if cpu_tier is not None:
-        from blis_jax.engine import cpu_tier as cpu_mod
-
-        params = dataclasses.replace(params, cpu=cpu_mod.make_params(cpu_tier.blocks, block_size, cpu_tier.bandwidth,
-                                                                     cpu_tier.base_latency_us))
     if offload is not None:
-        from blis_jax.engine import cpu_tier as cpu_mod, offload as offload_mod
+        from blis_jax.engine import offload as offload_mod
 
-        offload_mod.validate(offload)
-        if cpu_tier is not None:
-            raise ConfigError("--kv-cpu-blocks and a kv_offload chain are two CPU tiers: configure one of them")
         if scheduler != "fcfs" or lora is not None or sessions is not None or trace_steps:
             raise ConfigError("kv_offload: the multi-tier KV offload chain runs with the fcfs scheduler, without "
                               "LoRA adapters, closed-loop sessions or a step trace for now")
-        # its admission reloads the CPU continuation as the legacy tier does, free of step time
-        params = dataclasses.replace(params, cpu=cpu_mod.CpuTierParams(
-            capacity=jnp.asarray(int(offload.cpu_blocks), jnp.int64), reload_us=jnp.asarray(0, jnp.int64)))
+    params = with_tier_params(params, block_size, cpu_tier, offload)
     for value, allowed, flag in ((scheduler, ("fcfs", "priority-fcfs", "sjf"), "--scheduler"),
                                  (preemption_policy, ("fcfs", "priority"), "--preemption-policy")):
         if value not in allowed:
@@ -350,6 +340,27 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
         return (state, dims, code, itl_reader), code
 
     return run_growing(attempt)
+
+
+def with_tier_params(params: EngineParams, block_size: int, cpu_tier=None, offload=None) -> EngineParams:
+    """`params` with the CPU store's settings of the legacy tier `cpu_tier` (cpu_tier.CpuTier) or
+    of the offload chain `offload`'s staging tier (at most one of them; None: unchanged). The
+    chain's own params (offload.make_params) depend on the run's dims: the driver adds them."""
+    from blis_jax.engine import cpu_tier as cpu_mod
+
+    if cpu_tier is not None and offload is not None:
+        raise ConfigError("--kv-cpu-blocks and a kv_offload chain are two CPU tiers: configure one of them")
+    if cpu_tier is not None:
+        return dataclasses.replace(params, cpu=cpu_mod.make_params(cpu_tier.blocks, block_size, cpu_tier.bandwidth,
+                                                                   cpu_tier.base_latency_us))
+    if offload is not None:
+        from blis_jax.engine import offload as offload_mod
+
+        offload_mod.validate(offload)
+        # its admission reloads the CPU continuation as the legacy tier does, free of step time
+        return dataclasses.replace(params, cpu=cpu_mod.CpuTierParams(
+            capacity=jnp.asarray(int(offload.cpu_blocks), jnp.int64), reload_us=jnp.asarray(0, jnp.int64)))
+    return params
 
 
 def with_lora(dims: EngineDims, lora) -> EngineDims:

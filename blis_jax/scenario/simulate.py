@@ -118,15 +118,14 @@ def simulate(scenario: ScenarioConfig | ResolvedScenario, *, progress: Progress 
     if resolved.lora is not None:
         settings["lora"] = resolved.lora
     if resolved.cpu_tier is not None:
-        if not resolved.single_instance or resolved.sessions is not None:
-            raise ConfigError(f"{name('deployment.kv_cpu_blocks')}: the CPU KV tier is simulated on one instance "
-                              "without closed-loop sessions for now; drop it or use one instance" + _warm_up_note(resolved))
+        if resolved.sessions is not None:
+            raise ConfigError(f"{name('deployment.kv_cpu_blocks')}: the CPU KV tier is simulated without "
+                              "closed-loop sessions for now; drop it or the sessions")
         settings["cpu_tier"] = resolved.cpu_tier
     if resolved.offload is not None:
-        if not resolved.single_instance or resolved.sessions is not None:
-            raise ConfigError(f"{_offload_source(resolved)}: the multi-tier KV offload chain is simulated "
-                              "on a single instance only for now (without closed-loop sessions); use one instance "
-                              "or drop the offload configuration" + _warm_up_note(resolved))
+        if resolved.sessions is not None:
+            raise ConfigError(f"{_offload_source(resolved)}: the multi-tier KV offload chain is simulated without "
+                              "closed-loop sessions for now; drop the sessions or the offload configuration")
         # the chain's jitter draws come from the run seed's kv-offload stream (blis-rng §10.3)
         settings.update(offload=resolved.offload, seed=resolved.cluster.seed)
     params, model, requests, views = resolved.params, resolved.latency_model, resolved.requests, None
