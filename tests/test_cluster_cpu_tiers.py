@@ -163,8 +163,8 @@ def test_each_instance_is_a_lone_run_with_its_own_store(tier):
 @pytest.mark.slow  # one cluster compilation, then runs of the same program
 @pytest.mark.parametrize("tier", ["cpu_tier", "offload"])
 def test_tier_figures_do_not_recompile(tier):
-    requests = _requests(_rows(n=45))
-    variants = ([{"cpu_tier": CPU}, {"cpu_tier": dataclasses.replace(CPU, blocks=60)},
+    requests = _requests(_rows())
+    variants = ([{"cpu_tier": CPU}, {"cpu_tier": dataclasses.replace(CPU, blocks=40)},
                  {"cpu_tier": dataclasses.replace(CPU, bandwidth=0.5, base_latency_us=200)}]
                 if tier == "cpu_tier" else
                 [{"offload": _offload()}, {"offload": _offload(cpu_blocks=14)},

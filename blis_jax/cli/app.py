@@ -280,7 +280,7 @@ def _add_shared_flags(p: argparse.ArgumentParser) -> None:
                    help="CPU tier fixed cost per reloaded block (default 0)")
     g.add_argument("--kv-offload-config", default=None, metavar="FILE",
                    help="multi-tier KV offload YAML (top-level kv_offload:): a CPU staging tier and fs tiers "
-                        "(one instance; mutually exclusive with --kv-cpu-blocks; a replayed trace's kv_offload "
+                        "(per instance; mutually exclusive with --kv-cpu-blocks; a replayed trace's kv_offload "
                         "header block takes precedence)")
     g.add_argument("--defaults-filepath", default=None, metavar="FILE",
                    help="BLIS defaults.yaml: blis-jax reads only its kv_offload_devices (device classes for "
