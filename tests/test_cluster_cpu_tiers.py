@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -124,6 +126,37 @@ def _conservation_check(seen: list, capacity: int):
     return check
 
 
+def _router_signals_ignore_the_store(seen: list):
+    """`advance_chunk` patched: after every chunk, what the router reads of each instance (its
+    prefix-cache blocks, its load signals) is unchanged when every CPU entry is dropped and when
+    every key is put on CPU (BLIS's offload tiers are invisible to its prefix scorers, blis-features
+    §2.10). `seen` gets the prefix blocks on CPU and not on the GPU (the cases that matter)."""
+    from unittest import mock
+
+    from blis_jax.cluster import loop
+
+    advance = csim.advance_chunk
+
+    def signals(instances, cd, total):
+        return jax.device_get((loop.group_blocks_cached(instances, cd.engine),
+                               loop.live_signals(instances, total, cd.engine.block_size)))
+
+    def observed(cd, cs, inputs, limit):
+        cs, done = advance(cd, cs, inputs, limit)
+        s, total = cs.instances, inputs[1].total_kv_blocks
+        want = signals(s, cd, total)
+        for key_slot in (jnp.full_like(s.cpu_key_slot, -1), jnp.zeros_like(s.cpu_key_slot)):
+            got = signals(dataclasses.replace(s, cpu_key_slot=key_slot), cd, total)
+            assert jax.tree.all(jax.tree.map(np.array_equal, got, want)), "a router signal read the CPU store"
+        e = cd.engine
+        keys = np.arange(e.prefix_groups * e.prefix_blocks).reshape(e.prefix_groups, e.prefix_blocks)
+        on_cpu = np.asarray(s.cpu_key_slot)[:, keys] >= 0
+        seen.append(int(np.sum(on_cpu & ~want[0])))
+        return cs, done
+
+    return mock.patch.object(csim, "advance_chunk", observed)
+
+
 @pytest.mark.slow  # two compilations (cluster, lone instance), ~40 s on 2 cores
 def test_plain_round_robin_cluster_is_its_instances():
     """The identity the tier tests rest on, without a tier."""
@@ -136,10 +169,11 @@ def test_plain_round_robin_cluster_is_its_instances():
 def test_each_instance_is_a_lone_run_with_its_own_store(tier):
     rows = _rows()
     tiers = {"cpu_tier": CPU} if tier == "cpu_tier" else {"offload": _offload()}
-    seen: list = []
-    with after_each_chunk(_conservation_check(seen, CPU.blocks if tier == "cpu_tier" else 12)):
+    seen, cpu_only = [], []
+    with _router_signals_ignore_the_store(cpu_only), \
+            after_each_chunk(_conservation_check(seen, CPU.blocks if tier == "cpu_tier" else 12)):
         out = _cluster(_requests(rows), tiers, events_per_chunk=8)
-    assert len(seen) > 3 and max(seen) > 0
+    assert len(seen) > 3 and max(seen) > 0 and max(cpu_only) > 0
     lones = _assert_instances_are_lone_runs(rows, out, tiers)
     # the tier is exercised on every instance, differently (else "mean over instances" is untested)
     counts = [_tier_counts(out, k) for k in range(INSTANCES)]
