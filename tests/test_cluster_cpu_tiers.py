@@ -248,3 +248,31 @@ def test_cpu_thrashing_rate_is_the_mean_over_instances():
     counts = (np.array([0, 0, 0]), np.array([4, 4, 0]), np.array([1, 0, 0]))
     assert cpu_tier_thrashing_rate(counts) == pytest.approx(1 / 12)
     assert cpu_tier_thrashing_rate((np.array([3]), np.array([8]), np.array([2]))) == pytest.approx(0.25)
+
+
+@pytest.mark.slow  # compiles the cluster at three sizes (~45 s on 2 cores)
+def test_full_offload_buffers_grow_and_rerun_in_a_cluster(monkeypatch):
+    """An instance's chain running out of pending jobs or jitter draws (OFFLOAD_FULL) stops the
+    cluster for a rerun with more (engine/growth.py), and the run that fits is the one planned
+    large from the start."""
+    from blis_jax.engine import offload
+
+    requests = _requests(_rows(n=45))
+    tiers = {"offload": _offload(tier=dataclasses.replace(TIER, write_bandwidth=2.0, latency_jitter_stddev=0.3))}
+    planned = _cluster(requests, tiers)
+    sizes = []
+    original = offload.engine_sizes
+
+    def tiny(dims, cfg, growth=1):
+        out = dict(original(dims, cfg, growth), offload_jobs=4 * growth, offload_draws=64 * growth)
+        sizes.append((out["offload_jobs"], out["offload_draws"]))
+        return out
+
+    monkeypatch.setattr(offload, "engine_sizes", tiny)
+    grown = _cluster(requests, tiers)
+    assert len(sizes) >= 2 and sizes[0] == (4, 64), sizes
+    assert grown.result == 0 and planned.result == 0
+    for field in ("status", "ttft_us", "e2e_us"):
+        assert np.array_equal(getattr(grown, field), getattr(planned, field)), field
+    assert {k: v.tolist() for k, v in grown.offload_counts.items()} == \
+        {k: v.tolist() for k, v in planned.offload_counts.items()}
