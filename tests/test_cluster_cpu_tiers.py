@@ -210,18 +210,6 @@ def test_tier_figures_do_not_recompile(tier):
     assert len({tuple(o.ttft_us.tolist()) for o in outs}) == len(outs), "the figures do change the run"
 
 
-@pytest.mark.slow  # two compilations (1-instance cluster, lone instance)
-@pytest.mark.parametrize("tier", ["cpu_tier", "offload"])
-def test_one_instance_cluster_is_simulate_instance(tier):
-    rows = _rows(n=40)
-    tiers = {"cpu_tier": CPU} if tier == "cpu_tier" else {"offload": _offload()}
-    out, lone = _cluster(_requests(rows), tiers, instances=1), _lone(_requests(rows), tiers)
-    for field in ("status", "ttft_us", "e2e_us", "itl_sum_us", "num_itl", "sched_delay_us"):
-        assert np.array_equal(getattr(out, field), getattr(lone, field)), field
-    assert _tier_counts(out, 0) == _tier_counts(lone, 0)
-    assert kv_cache_metrics(out) == kv_cache_metrics(lone)
-
-
 @pytest.mark.parametrize("cluster, match", [
     (dict(prefill_instances=1, decode_instances=2), "PD disaggregation"),
 ])
