@@ -94,6 +94,18 @@ E2E means in ms (538.0 / 2952.6) / requests with TTFT within 2 ms and E2E within
   at once, TTFT 3.808 s); with retry reloads: 108. Lead 1 charging the held blocks each retry:
   364; charging the prefix growth: unchanged (the re-keyed gap walks down, the prefix never
   reaches the held blocks).
+* Lead 2 plus the tail's fresh blocks popped one by one until the free list runs out and kept
+  too (a partial tail allocation not rolled back; first failure only): 152 / 0.618 / 395 / 2799
+  / 122, 105 -- fixes 43 and 44 at 5.5 s (TTFT within 0.4 ms; in lead 2 44's held claim leaves 6
+  blocks free), but 28 then holds 78 blocks, not 77, and the first window runs 3.4 ms late (27
+  never re-admitted before 4.18 s); 42 still admitted at 5.203 s. With retries popping partially
+  too: 624. No_rollback plus the partial tail: 347.
+* In every variant the failing head (27 in the window) re-keys each step the blocks it reloaded
+  the step before (prefix 64 + k, then 64: the reload pops the free-list head, which is its own
+  previous reloads once the free list is only those): 5-23 reloads a step, the likely source of
+  BLIS's extra step time; BLIS's 26 (preempted just before 4.1673 s) fits 27 holding the k
+  reloaded blocks when they are the whole free list at ~4.15 s, but that rule also fires at
+  4.02 s (see "holding when the claim's free blocks are the whole free list" above).
 * No reload when the plain allocation cannot fit: 54 (G01 still exact).
 * The notes' rollback patch (91 preemptions in BLIS) is not our default (64): a claim released
   again to the free-list tail (last block first, as BLIS releases) gives 78, first block first 48.
