@@ -99,7 +99,8 @@ E2E means in ms (538.0 / 2952.6) / requests with TTFT within 2 ms and E2E within
   / 122, 105 -- fixes 43 and 44 at 5.5 s (TTFT within 0.4 ms; in lead 2 44's held claim leaves 6
   blocks free), but 28 then holds 78 blocks, not 77, and the first window runs 3.4 ms late (27
   never re-admitted before 4.18 s); 42 still admitted at 5.203 s. With retries popping partially
-  too: 624. No_rollback plus the partial tail: 347.
+  too: 624. No_rollback plus the partial tail: 347. Lead 2 with a strict fit (claim < free):
+  98 / 0.618 / 371 / 2798 / 138, 104, the same window TTFTs but E2Es 50-130 ms late after 4.2 s.
 * In every variant the failing head (27 in the window) re-keys each step the blocks it reloaded
   the step before (prefix 64 + k, then 64: the reload pops the free-list head, which is its own
   previous reloads once the free list is only those): 5-23 reloads a step, the likely source of
