@@ -62,6 +62,56 @@ Two leads (tried here, not built in):
   (64 shared with running requests) and re-keys its own blocks retry after retry. Request 13's E2E
   comes within 1.4 ms of BLIS's and 27 and 28 are admitted 1.4 ms after BLIS's 4.182 s, G01 is
   untouched (no reload there fails that check), but 26 is never preempted (108 preemptions).
+
+Later search (issue #24, session g02; no mode adopted, none is exact past the 8 requests). BLIS
+reference points in the window (metrics.json scheduling delays): 26 last admitted at 4.1673 s (a
+few tokens: it was preempted shortly before), 27 and 28 at 4.1822 s, 29 and 30 at 4.2156 s; 13
+completes in the step ending 4.1822 s (+11.2 ms vs the run without the tier). G01 has no
+allocation that fails after a reload, so every failure-path variant below keeps G01 at 600/600:
+only G02 constrains it. Figures: preemptions (BLIS 189) / cache hit rate (0.6533) / TTFT and
+E2E means in ms (538.0 / 2952.6) / requests with TTFT within 2 ms and E2E within 5 ms of BLIS.
+* rollback (default): 64 / 0.577 / 346 / 2804 / 62, 59. no_rollback: 214 / 0.642 / 506 / 2901 /
+  127, 79 (24 and 25 preempted in the window, 13's E2E 18 ms early).
+* lead 1: 243 / 0.668 / 554 / 2970 / 134, 124 -- the best global agreement, window 7 ms fast
+  (28 loses its prefix to its own reloads and recomputes 1204 tokens at 4.193 s).
+* lead 2: 123 / 0.613 / 375 / 2778 / 95, 104 -- the best window: 13's E2E 0.5 ms early, 27 and
+  28 admitted at 4.1818 s, 29 and 30 at 4.2165 s, TTFTs of 27-41 within 1.2 ms; it lacks 26's
+  preemption (one block short near 4.15 s) and next diverges at 5.19 s (42 admitted at 5.203 s,
+  BLIS ~5.49 s: a waiting request whose reloads fill the whole free list, claim 78 > free 14,
+  holds nothing and re-keys them step after step).
+* lead 2 plus holding when the claim's free blocks are the whole free list: 184 / 0.638 / 447 /
+  2848 / 83, 70 (25 preempted at 4.144 s, BLIS not). Lead 2 where a request failing the fit
+  check holds lead-1 style (its reloaded blocks, retries reload): 188 / 0.630 / 528 / 2927 /
+  51, 71 -- global means closest, window wrong (24, 25 preempted). Lead 2 plus the reloaded
+  block outside the prefix (28's) held too: 138, window +3 ms, 26 still not preempted. Lead 2
+  with the failing claim moved to the free-list tail (a claim then release): 121, window +7 ms.
+  Lead 2 else holding the reloaded blocks with no retry reload: 119 (27 admitted at 3.85 s).
+* no_rollback with retries charging the held blocks' reload time again: 228 (13 16 ms early);
+  with a failed attempt charging no reload time: 218; a failed retry dropping the hold: 131;
+  each retry releasing the hold and allocating anew (reload, claim, hits counted again):
+  170 / 0.819, 13 26 ms late. Holding the prefix with retries reloading and re-claiming: 443.
+  Holding only the reloaded blocks, retries allocating past them unclaimed: 68 (28's tail fits
+  at once, TTFT 3.808 s); with retry reloads: 108. Lead 1 charging the held blocks each retry:
+  364; charging the prefix growth: unchanged (the re-keyed gap walks down, the prefix never
+  reaches the held blocks).
+* Lead 2 plus the tail's fresh blocks popped one by one until the free list runs out and kept
+  too (a partial tail allocation not rolled back; first failure only): 152 / 0.618 / 395 / 2799
+  / 122, 105 -- fixes 43 and 44 at 5.5 s (TTFT within 0.4 ms; in lead 2 44's held claim leaves 6
+  blocks free), but 28 then holds 78 blocks, not 77, and the first window runs 3.4 ms late (27
+  never re-admitted before 4.18 s); 42 still admitted at 5.203 s. With retries popping partially
+  too: 624. No_rollback plus the partial tail: 347. Lead 2 with a strict fit (claim < free):
+  98 / 0.618 / 371 / 2798 / 138, 104, the same window TTFTs but E2Es 50-130 ms late after 4.2 s.
+* In every variant the failing head (27 in the window) re-keys each step the blocks it reloaded
+  the step before (prefix 64 + k, then 64: the reload pops the free-list head, which is its own
+  previous reloads once the free list is only those): 5-23 reloads a step, the likely source of
+  BLIS's extra step time; BLIS's 26 (preempted just before 4.1673 s) fits 27 holding the k
+  reloaded blocks when they are the whole free list at ~4.15 s, but that rule also fires at
+  4.02 s (see "holding when the claim's free blocks are the whole free list" above).
+* No reload when the plain allocation cannot fit: 54 (G01 still exact).
+* The notes' rollback patch (91 preemptions in BLIS) is not our default (64): a claim released
+  again to the free-list tail (last block first, as BLIS releases) gives 78, first block first 48.
+  So the failure path differs from BLIS before any holding; a fit of the rollback case (91)
+  would be the next step, then the hold on top of it.
 """
 
 from __future__ import annotations
