@@ -9,8 +9,8 @@ gives this reference's run without the legacy mirror (`legacy_mirror=False`) req
 
 Agreement today (tests/test_reference_offload.py::test_offload_reference_against_blis):
 
-* G03: requests 0-87 exact (TTFT and E2E), 90/600 in all; cache hit rate 0.6856 = 0.6856,
-  TTFT mean 35.04 vs 33.56 ms, E2E mean 1068.74 vs 1067.40 ms, KV Thrashing Rate 0 = 0 (without
+* G03: requests 0-94 exact (TTFT and E2E), 99/600 in all; cache hit rate 0.6829 vs 0.6856,
+  TTFT mean 35.22 vs 33.56 ms, E2E mean 1069.19 vs 1067.40 ms, KV Thrashing Rate 0 = 0 (without
   the legacy mirror, `legacy_mirror=False`, the jitted engine's model today: 0-81 exact, 82 in
   all, hit rate 0.6832, TTFT mean 34.57 ms, E2E mean 1067.98 ms).
 * G04: requests 0-36 exact, 39/600 in all; hit rate 0.6707 vs 0.6688, TTFT mean 44.66 vs
@@ -54,8 +54,14 @@ Model (each point needed by some request of G03/G04 that it then matched):
   past the GPU-cached prefix the offload CPU tier holds further than the mirror is a warm hit:
   deferred (vLLM's load_async, WAITING_FOR_REMOTE_KVS), ready at the next step's poll, admitted
   the step after -- exactly two steps later (G03 request 84: its group's prefix left the mirror,
-  not the offload tier; requests 59, 60, 77 and 98, in the mirror, reload at once). After any
-  async load (warm or promotion) the reload takes the offload tier's blocks too. The capacity is
+  not the offload tier; requests 59, 60, 77 and 98, in the mirror, reload at once). At the
+  deferral the load takes its GPU blocks (as many as the continuation blocks the offload tier
+  holds and the GPU does not) from the free list's head, keys dropped, and holds them; when the
+  load is reported they go back to the tail, empty, and the admission reloads into other blocks
+  (G03 request 101: the 27 blocks request 84 held were its cached blocks 21-47, so BLIS computes
+  its prompt from block 21; without the hold, from 48, one step 1004 µs short). Promotions hold
+  no blocks (holding them diverges at G03 request 38). After any async load (warm or promotion)
+  the reload takes the offload tier's blocks too. The capacity is
   sharp: 0.95× or 0.8× of it diverges at request 38 (a sync reload lost), 1.05× or 1.25× at 82
   (84 no longer deferred); mirroring decode blocks too diverges at 38.
 * Admission: the chunk is sized from the GPU-cached prefix alone (G03 request 48's step time is
@@ -68,12 +74,11 @@ Model (each point needed by some request of G03/G04 that it then matched):
 
 Known departures (first divergences):
 
-* G03 request 88 (E2E +1004 µs, with every request running then): request 101's prefill step is
-  1004 µs longer in BLIS (TTFT +1004). 101 has 48 GPU-cached blocks at the free list's head and 16
-  more in the mirror; the reload re-keys 16 of its own cached blocks (the legacy quirk), leaving
-  a 32-block prefix, and this computes from block 48. Computing from the re-found prefix (block
-  32) leaves +411 µs (and loses the hit rate: 0.6849); the step time BLIS shows fits ~21 blocks.
-  Not found. (Before the mirror: request 84, deferred two steps by BLIS, see above.)
+* G03 request 95 (E2E +2682 µs; 98, 100, 101, 103 and others running then too): later steps
+  are longer in BLIS; the first TTFT off is request 110's (+842 µs: 50 GPU-cached blocks, 14 in
+  the mirror; BLIS computes more of its prompt, as it did for 101 before the hold above), then
+  108 (E2E +1831). Not analysed. The hit rate fell with the hold (0.6856 -> 0.6829).
+  (Before the mirror: request 84, deferred two steps by BLIS; before the hold: request 101.)
 * G04 request 50: its 64-block read finishes one step too early (jitter factor 1.27 drawn here,
   BLIS needs 1.34-1.51; requests 56 and 58 are one step early too, 59 two late). At depth 1 the
   ramp is already at its slowest, so it is the draw: the count of draws before it differs.
@@ -228,6 +233,33 @@ class OffloadKVCache(KVCache):
         for k in keys:
             if k in self.cpu:
                 self.cpu.move_to_end(k)
+
+    def hold_for_load(self, req, j: int) -> list:
+        """The GPU blocks a warm load fills, allocated when the request is deferred (vLLM allocates
+        them before WAITING_FOR_REMOTE_KVS): as many as the blocks continuing the prefix from j that
+        the offload tier holds and the GPU does not, taken from the free list's head, their keys
+        dropped, held (ref 1) until the load is reported."""
+        bs, n = self.bs, 0
+        while j + n < req.input_len // bs:
+            k = self.block_key(req, j + n, bs)
+            if self.cpu.get(k, -1) < 0 or k in self.by_hash:
+                break
+            n += 1
+        held = []
+        for _ in range(min(n, len(self.free))):
+            b = self.free.popitem(last=False)[0]
+            old = self.hash[b]
+            if old is not None and self.by_hash.get(old) == b:
+                del self.by_hash[old]
+            self.hash[b], self.ref[b] = None, 1
+            held.append(b)
+        return held
+
+    def release_held(self, held: list) -> None:
+        """Held blocks back at the free list's tail, empty: the admission reloads into other blocks."""
+        for b in held:
+            self.ref[b] = 0
+            self.free[b] = None
 
     def mirror(self, running) -> None:
         """The legacy CPU tier's write-through after each step: the full prompt blocks of every
@@ -388,6 +420,7 @@ class OffloadEngine(ReferenceEngine):
             r.promo_done = False
             r.stored = 0           # vLLM's next stored block index
             r.warm_at = None       # step start of an async (warm) CPU load in flight
+            r.held = []            # the GPU blocks it holds for that load
             r.warm_loaded = False
 
     def _after_execution(self) -> None:
@@ -406,10 +439,13 @@ class OffloadEngine(ReferenceEngine):
                 r.stored = upto
         if kv.legacy_mirror:
             kv.mirror(self.running)
-        # a warm load is reported finished at the first poll after the step it was submitted in
+        # a warm load is reported finished at the first poll after the step it was submitted in;
+        # the blocks it held go back empty (the admission reloads into the free list's head)
         for r in self.wait:
             if r.warm_at is not None and r.warm_at < now:
                 r.promo_done = True
+                kv.release_held(r.held)
+                r.held = []
 
     def _admit_new(self, now: int, st: dict) -> None:
         cfg = self.cfg
@@ -428,6 +464,7 @@ class OffloadEngine(ReferenceEngine):
             # loaded asynchronously (vLLM's load_async), the request deferred (G03 request 84)
             if kv.legacy_mirror and not r.promo and len(reload) > len(kv.mirror_run(r, len(cached))):
                 r.promo, r.warm_at = True, now
+                r.held = kv.hold_for_load(r, len(cached))
                 kv.c["warm_loads"] += 1
                 kv.warm_log.append((now, r.request_id))
                 i += 1

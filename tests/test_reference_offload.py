@@ -89,7 +89,21 @@ def test_warm_hits_wait_two_steps_and_mirror_hits_reload_at_once():
     deferred for an async load and admitted exactly two steps later (G03 request 84)."""
     reqs, cfg, oc = _scenario()
     oc = dataclasses.replace(oc, cpu_bytes_to_use=60 * BLOCK_BYTES)
-    res, kv = simulate_offload(reqs, cfg, toy_latency(), oc)
+    held_seen = []
+
+    class Watched(OffloadEngine):
+        def _admit_new(self, now, st):
+            super()._admit_new(now, st)
+            for r in self.wait:
+                # a deferred warm load holds GPU blocks (off the free list, keyless) until reported
+                if r.warm_at is not None:
+                    assert r.held and all(self.kv.ref[b] == 1 and b not in self.kv.free
+                                          and self.kv.hash[b] is None for b in r.held)
+                    held_seen.append(len(r.held))
+
+    eng = Watched(reqs, cfg, toy_latency(), oc)
+    res, kv = eng.run(), eng.kv
+    assert held_seen and all(not r.held for r in eng.reqs)
     starts = [s.start_us for s in res.steps]
     assert kv.c["warm_loads"] == len(kv.warm_log) >= 2
     for t0, rid in kv.warm_log:
@@ -156,7 +170,7 @@ def test_config_from_a_trace_header():
 # the first divergence, and the aggregates within these relative bounds.
 AGREEMENT = {
     # case: (leading requests exact, hit rate, TTFT mean, E2E mean, KV Thrashing Rate (absolute))
-    "G03": (88, 0.01, 0.045, 0.002, 0.0),
+    "G03": (95, 0.01, 0.05, 0.002, 0.0),
     "G04": (37, 0.01, 0.06, 0.003, 0.006),
 }
 
