@@ -86,13 +86,16 @@ Known departures (first divergences):
   exact, hit rate 0.6684), but no mechanism for it was found; drawing when a server takes the
   job instead of at submission gives hit rate 0.6689 and the same 39 exact.
 * G03's orientation run with the CPU tier alone (case.json key_outcomes, aggregates only): BLIS
-  hit rate 0.5502, TTFT mean 29.08 ms; this model (no secondary tier) 0.5701 and 29.38 ms (before
+  hit rate 0.5502, TTFT mean 29.08 ms; this model (no secondary tier) 0.5701 and 29.56 ms (before
   the mirror 0.5673, 28.77 ms).
 * Measured with the mirror, no better: a warm load ready at the same step's poll (admitted one
   step later: 84 one step short), or taking 8 ms (82); the mirror touching reloaded keys (same);
   an extra `kv-offload` draw per store call or per promotion (G04 lead 31: the 37-draw shift of
   request 50 is not that); touching on store only the fresh keys (G03 lead 38), only keys past
-  the stored index, or none of the reloaded (same as without).
+  the stored index, or none of the reloaded (same as without). Held blocks released to the free
+  list's head (the admission reloads into them: as without the hold, 90 exact), at the request's
+  completion (95 exact, leading 92), or request 84's never (95, leading 92; never at all stalls
+  the run); a reload computing from the prefix re-found after it (G03 lead 88, hit rate 0.6849).
 * Alternatives measured worse or equal on both cases: vLLM's reverse touch order, the GPU
   blocks' keys for stores, promoting the whole run from the GPU prefix's end, writes only of
   blocks not yet on the tier, a ramp depth counting reads and writes together, a smaller CPU
