@@ -4,12 +4,15 @@ Test oracle only. The spec (blis-features §2.10) is thin: the semantics below w
 the blis-diff cases G03 (no jitter) and G04 (ramp + jitter), request by request.
 
 The jitted engine's port is blis_jax/engine/offload.py; tests/test_offload_engine.py checks that it
-gives this reference's run request by request (G03, G04 and synthetic runs).
+gives this reference's run without the legacy mirror (`legacy_mirror=False`) request by request
+(G03, G04 and synthetic runs): the mirror and its warm loads are not ported yet.
 
 Agreement today (tests/test_reference_offload.py::test_offload_reference_against_blis):
 
-* G03: requests 0-81 exact (TTFT and E2E), 82/600 in all; cache hit rate 0.6832 vs 0.6856,
-  TTFT mean 34.57 vs 33.56 ms, E2E mean 1067.98 vs 1067.40 ms, KV Thrashing Rate 0 = 0.
+* G03: requests 0-94 exact (TTFT and E2E), 99/600 in all; cache hit rate 0.6829 vs 0.6856,
+  TTFT mean 35.22 vs 33.56 ms, E2E mean 1069.19 vs 1067.40 ms, KV Thrashing Rate 0 = 0 (without
+  the legacy mirror, `legacy_mirror=False`, the jitted engine's model today: 0-81 exact, 82 in
+  all, hit rate 0.6832, TTFT mean 34.57 ms, E2E mean 1067.98 ms).
 * G04: requests 0-36 exact, 39/600 in all; hit rate 0.6707 vs 0.6688, TTFT mean 44.66 vs
   42.47 ms, E2E mean 1071.98 vs 1070.02 ms, KV Thrashing Rate 0 vs 0.0055 (BLIS refuses ~1 of
   ~180 promotions; this refuses none).
@@ -44,20 +47,38 @@ Model (each point needed by some request of G03/G04 that it then matched):
   -- and the request deferred. It is ready at the first poll at or past the read's finish and
   admitted at the next step's batch formation (G03 request 48: read of 19.3 ms over ~8.5 ms
   steps, admitted 4 steps after submission).
+* Legacy mirror (BLIS's `--kv-cpu-blocks` tier, reference_tiered.TieredKVCache.mirror, kept beside
+  the offload tier, same capacity ⌊cpu_bytes_to_use / per_block_bytes⌋): after each step the full
+  prompt blocks of every running request, by their GPU blocks' keys, are stored (LRU eviction) or
+  touched, in block order. Synchronous reloads come from it alone. A request whose continuation
+  past the GPU-cached prefix the offload CPU tier holds further than the mirror is a warm hit:
+  deferred (vLLM's load_async, WAITING_FOR_REMOTE_KVS), ready at the next step's poll, admitted
+  the step after -- exactly two steps later (G03 request 84: its group's prefix left the mirror,
+  not the offload tier; requests 59, 60, 77 and 98, in the mirror, reload at once). At the
+  deferral the load takes its GPU blocks (as many as the continuation blocks the offload tier
+  holds and the GPU does not) from the free list's head, keys dropped, and holds them; when the
+  load is reported they go back to the tail, empty, and the admission reloads into other blocks
+  (G03 request 101: the 27 blocks request 84 held were its cached blocks 21-47, so BLIS computes
+  its prompt from block 21; without the hold, from 48, one step 1004 µs short). Promotions hold
+  no blocks (holding them diverges at G03 request 38). After any async load (warm or promotion)
+  the reload takes the offload tier's blocks too. The capacity is
+  sharp: 0.95× or 0.8× of it diverges at request 38 (a sync reload lost), 1.05× or 1.25× at 82
+  (84 no longer deferred); mirroring decode blocks too diverges at 38.
 * Admission: the chunk is sized from the GPU-cached prefix alone (G03 request 48's step time is
-  that of its whole prompt, +2.4 ms), then the CPU continuation is reloaded synchronously, free
-  of step time, exactly as the legacy CPU tier does (reference_tiered.TieredKVCache.allocate:
+  that of its whole prompt, +2.4 ms), then the continuation in the mirror (after an async load:
+  in the mirror or the offload tier) is reloaded synchronously, free of step time, exactly as the
+  legacy CPU tier does (reference_tiered.TieredKVCache.allocate:
   into free-list head blocks, which can re-key the request's own cached blocks; G03 request 60
   recomputes its whole prompt because request 59's reload re-keyed the group's first blocks),
   and the reloaded blocks count as hits.
 
 Known departures (first divergences):
 
-* G03 request 84: its prefix is on GPU (blocks 27-63, free), CPU and fs; this reloads it at
-  once, BLIS defers it exactly two steps (the spec's "warm hit ≥ 2 steps"), yet request 60, in
-  the same state here, is reloaded at once by BLIS too. What makes a CPU hit asynchronous in
-  BLIS is not found (deferring every CPU hit two steps breaks request 59 and 40 requests
-  earlier).
+* G03 request 95 (E2E +2682 µs; 98, 100, 101, 103 and others running then too): later steps
+  are longer in BLIS; the first TTFT off is request 110's (+842 µs: 50 GPU-cached blocks, 14 in
+  the mirror; BLIS computes more of its prompt, as it did for 101 before the hold above), then
+  108 (E2E +1831). Not analysed. The hit rate fell with the hold (0.6856 -> 0.6829).
+  (Before the mirror: request 84, deferred two steps by BLIS; before the hold: request 101.)
 * G04 request 50: its 64-block read finishes one step too early (jitter factor 1.27 drawn here,
   BLIS needs 1.34-1.51; requests 56 and 58 are one step early too, 59 two late). At depth 1 the
   ramp is already at its slowest, so it is the draw: the count of draws before it differs.
@@ -65,9 +86,16 @@ Known departures (first divergences):
   exact, hit rate 0.6684), but no mechanism for it was found; drawing when a server takes the
   job instead of at submission gives hit rate 0.6689 and the same 39 exact.
 * G03's orientation run with the CPU tier alone (case.json key_outcomes, aggregates only): BLIS
-  hit rate 0.5502, TTFT mean 29.08 ms; this model (no secondary tier) 0.5673 and 28.77 ms (with
-  every CPU hit deferred two steps: 0.5672, 29.28 ms). So BLIS keeps less on CPU than this LRU
-  does, and some (not all: G03 requests 59, 60, 77) of its CPU hits cost whole steps.
+  hit rate 0.5502, TTFT mean 29.08 ms; this model (no secondary tier) 0.5701 and 29.56 ms (before
+  the mirror 0.5673, 28.77 ms).
+* Measured with the mirror, no better: a warm load ready at the same step's poll (admitted one
+  step later: 84 one step short), or taking 8 ms (82); the mirror touching reloaded keys (same);
+  an extra `kv-offload` draw per store call or per promotion (G04 lead 31: the 37-draw shift of
+  request 50 is not that); touching on store only the fresh keys (G03 lead 38), only keys past
+  the stored index, or none of the reloaded (same as without). Held blocks released to the free
+  list's head (the admission reloads into them: as without the hold, 90 exact), at the request's
+  completion (95 exact, leading 92), or request 84's never (95, leading 92; never at all stalls
+  the run); a reload computing from the prefix re-found after it (G03 lead 88, hit rate 0.6849).
 * Alternatives measured worse or equal on both cases: vLLM's reverse touch order, the GPU
   blocks' keys for stores, promoting the whole run from the GPU prefix's end, writes only of
   blocks not yet on the tier, a ramp depth counting reads and writes together, a smaller CPU
@@ -163,21 +191,27 @@ def service_us(tier: Tier, nbytes: int, read: bool, depth: int = 1, rng=None) ->
 
 
 class OffloadKVCache(KVCache):
-    def __init__(self, total_blocks: int, block_size: int, cfg: OffloadConfig, seed: int = 42):
+    def __init__(self, total_blocks: int, block_size: int, cfg: OffloadConfig, seed: int = 42,
+                 legacy_mirror: bool = True):
         super().__init__(total_blocks, block_size)
+        self.legacy_mirror = legacy_mirror   # False: the model before the mirror (the jitted engine's today)
         from blis_jax.rng.streams import PartitionedRNG
         self.rng = PartitionedRNG(seed).for_subsystem("kv-offload")   # per instance (blis-rng §10.3)
         self.oc = cfg
         self.cap = cfg.cpu_blocks
         self.cpu: OrderedDict = OrderedDict()          # key -> ref count, least recently used first
+        # the legacy CPU tier's mirror (reference_tiered.TieredKVCache.mirror) of the same capacity:
+        # the only source of synchronous reloads; a hit the offload tier alone holds loads async
+        self.mirror_keys: OrderedDict = OrderedDict()  # GPU block key -> None, least recently used first
         self.fs = [set() for _ in cfg.tiers]
         self.reads = [Station([0] * t.n_read_threads) for t in cfg.tiers]
         self.writes = [Station([0] * t.n_write_threads) for t in cfg.tiers]
         self.log = []            # (time, request_id, blocks read, blocks new to CPU, finish) per promotion
+        self.warm_log = []       # (time, request_id) per warm (async CPU) load
         self.admissions = {}     # request_id -> (time, GPU-cached blocks, CPU-reloaded blocks, was deferred)
         self.c = dict.fromkeys(("stores", "evictions", "store_skips", "cpu_reloads", "promotions",
                                 "promotion_blocks", "promotions_done", "refused", "attempted", "writes",
-                                "writes_done"), 0)
+                                "writes_done", "warm_loads"), 0)
 
     # -- CPU tier
     def _evictable(self) -> int:
@@ -202,6 +236,63 @@ class OffloadKVCache(KVCache):
         for k in keys:
             if k in self.cpu:
                 self.cpu.move_to_end(k)
+
+    def hold_for_load(self, req, j: int) -> list:
+        """The GPU blocks a warm load fills, allocated when the request is deferred (vLLM allocates
+        them before WAITING_FOR_REMOTE_KVS): as many as the blocks continuing the prefix from j that
+        the offload tier holds and the GPU does not, taken from the free list's head, their keys
+        dropped, held (ref 1) until the load is reported."""
+        bs, n = self.bs, 0
+        while j + n < req.input_len // bs:
+            k = self.block_key(req, j + n, bs)
+            if self.cpu.get(k, -1) < 0 or k in self.by_hash:
+                break
+            n += 1
+        held = []
+        for _ in range(min(n, len(self.free))):
+            b = self.free.popitem(last=False)[0]
+            old = self.hash[b]
+            if old is not None and self.by_hash.get(old) == b:
+                del self.by_hash[old]
+            self.hash[b], self.ref[b] = None, 1
+            held.append(b)
+        return held
+
+    def release_held(self, held: list) -> None:
+        """Held blocks back at the free list's tail, empty: the admission reloads into other blocks."""
+        for b in held:
+            self.ref[b] = 0
+            self.free[b] = None
+
+    def mirror(self, running) -> None:
+        """The legacy CPU tier's write-through after each step: the full prompt blocks of every
+        running request, by their GPU blocks' keys (re-keyed by reloads), in block order: stored
+        (evicting the least recently used) or touched. Decode blocks are not mirrored (with them G03
+        diverges at request 38)."""
+        bs = self.bs
+        for r in running:
+            for j, b in enumerate(self.req_blocks.get(r.request_id, [])):
+                if (j + 1) * bs > r.input_len:
+                    break
+                h = self.hash[b]
+                if h is None:
+                    continue
+                if h in self.mirror_keys:
+                    self.mirror_keys.move_to_end(h)
+                    continue
+                if len(self.mirror_keys) >= self.cap:
+                    self.mirror_keys.popitem(last=False)
+                self.mirror_keys[h] = None
+
+    def mirror_run(self, req, j: int) -> list:
+        out = []
+        while j < req.input_len // self.bs:
+            k = self.block_key(req, j, self.bs)
+            if k not in self.mirror_keys:
+                break
+            out.append(k)
+            j += 1
+        return out
 
     def store_request(self, keys: list, new_from: int, now: int) -> bool:
         """vLLM's prepare_store of a request's blocks keys[new_from:] (all or nothing: False when
@@ -298,7 +389,11 @@ class OffloadKVCache(KVCache):
         if self.req_blocks.get(req.request_id) is not None or end <= start:
             return KVCache.allocate(self, req, start, end, cached)
         bs = self.bs
-        touched, lost = reload_from_cpu(self, req, cached, lambda key: self.cpu.get(key, -1) >= 0)
+        if req.warm_loaded or not self.legacy_mirror:   # after an async load the offload tier's blocks count
+            on_cpu = lambda key: key in self.mirror_keys or self.cpu.get(key, -1) >= 0  # noqa: E731
+        else:
+            on_cpu = self.mirror_keys.__contains__
+        touched, lost = reload_from_cpu(self, req, cached, on_cpu)
         reloaded = len(touched)
         self.c["cpu_reloads"] += reloaded
         self.touch(touched)
@@ -319,13 +414,17 @@ class OffloadKVCache(KVCache):
 
 
 class OffloadEngine(ReferenceEngine):
-    def __init__(self, requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True):
+    def __init__(self, requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
+                 legacy_mirror: bool = True):
         super().__init__(requests, cfg, lat, record_steps)
-        self.kv = OffloadKVCache(cfg.total_kv_blocks, cfg.block_size, offload, seed)
+        self.kv = OffloadKVCache(cfg.total_kv_blocks, cfg.block_size, offload, seed, legacy_mirror)
         for r in self.reqs:
             r.promo = False        # a promotion read in flight for it
             r.promo_done = False
             r.stored = 0           # vLLM's next stored block index
+            r.warm_at = None       # step start of an async (warm) CPU load in flight
+            r.held = []            # the GPU blocks it holds for that load
+            r.warm_loaded = False
 
     def _after_execution(self) -> None:
         now = self.clock
@@ -341,6 +440,15 @@ class OffloadEngine(ReferenceEngine):
             keys = [kv.block_key(r, j, bs) for j in range(upto)]
             if kv.store_request(keys, r.stored, now):
                 r.stored = upto
+        if kv.legacy_mirror:
+            kv.mirror(self.running)
+        # a warm load is reported finished at the first poll after the step it was submitted in;
+        # the blocks it held go back empty (the admission reloads into the free list's head)
+        for r in self.wait:
+            if r.warm_at is not None and r.warm_at < now:
+                r.promo_done = True
+                kv.release_held(r.held)
+                r.held = []
 
     def _admit_new(self, now: int, st: dict) -> None:
         cfg = self.cfg
@@ -355,6 +463,15 @@ class OffloadEngine(ReferenceEngine):
                 continue
             cached = kv.cached_blocks(r)
             reload = kv.cpu_run(r, len(cached))
+            # the offload CPU tier continues the prefix further than the legacy mirror: a warm hit,
+            # loaded asynchronously (vLLM's load_async), the request deferred (G03 request 84)
+            if kv.legacy_mirror and not r.promo and len(reload) > len(kv.mirror_run(r, len(cached))):
+                r.promo, r.warm_at = True, now
+                r.held = kv.hold_for_load(r, len(cached))
+                kv.c["warm_loads"] += 1
+                kv.warm_log.append((now, r.request_id))
+                i += 1
+                continue
             # the prefix continues only on a secondary tier: promote (once) and defer
             t, far = kv.fs_run(r, len(cached) + len(reload))
             if far and not r.promo:
@@ -363,10 +480,14 @@ class OffloadEngine(ReferenceEngine):
                     i += 1
                     continue
             fresh = r.promo
+            r.warm_loaded = fresh         # a finished load (warm or promotion) reloads from the offload tier
             r.promo = r.promo_done = False
+            r.warm_at = None
             start = len(cached) * bs      # the chunk is sized from the GPU-cached prefix alone
             n = self._chunk_tokens(r, start, st)
-            if not kv.allocate(r, start, start + n, cached):
+            ok = kv.allocate(r, start, start + n, cached)
+            r.warm_loaded = False
+            if not ok:
                 if fresh:
                     i += 1
                     continue
@@ -382,6 +503,7 @@ class OffloadEngine(ReferenceEngine):
             kv.admissions[r.request_id] = (now, len(cached), len(reload), fresh)
 
 
-def simulate_offload(requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True):
-    eng = OffloadEngine(requests, cfg, lat, offload, seed, record_steps)
+def simulate_offload(requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
+                     legacy_mirror: bool = True):
+    eng = OffloadEngine(requests, cfg, lat, offload, seed, record_steps, legacy_mirror)
     return eng.run(), eng.kv

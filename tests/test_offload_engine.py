@@ -62,8 +62,9 @@ def _reference(requests, settings, case, oc, seed):
     ref_cfg = RefConfig(oc.cpu_bytes_to_use, oc.per_block_bytes, oc.offload_prompt_only,
                         tuple(Tier(**{f: getattr(t, f) for f in Tier.__dataclass_fields__}) for t in oc.tiers))
     cfg = EngineConfig(**{k: v for k, v in settings.items() if k in EngineConfig.__dataclass_fields__}, block_size=16)
+    # the engine has no legacy mirror (and so no warm loads) yet: it follows the reference without it
     return simulate_offload(reqs, cfg, latency_hooks(case, [int(x) for x in requests.input_len]), ref_cfg, seed,
-                            record_steps=False)
+                            record_steps=False, legacy_mirror=False)
 
 
 LLAMA = dict(model="meta-llama/Llama-3.1-8B-Instruct", hardware="H100", tp=1, latency_model="trained-physics")
@@ -139,7 +140,8 @@ def test_blis_case_as_the_reference_and_blis(case_id):
     from test_reference_engine import latency_hooks
 
     res, kv = simulate_offload(c.requests, engine_config(c.case), latency_hooks(c.case, [r.input_len for r in c.requests]),
-                               RefConfig.from_header(c.header["kv_offload"]), seed, record_steps=False)
+                               RefConfig.from_header(c.header["kv_offload"]), seed, record_steps=False,
+                               legacy_mirror=False)   # not ported yet (see reference_offload.py)
     row = {int(r): i for i, r in enumerate(ci.requests.request_id)}
     got = {r.request_id: (int(out.ttft_us[row[r.request_id]]), int(out.e2e_us[row[r.request_id]])) for r in c.requests}
     ref = {r.request_id: (res.requests[r.request_id]["ttft_us"], res.requests[r.request_id]["e2e_us"])

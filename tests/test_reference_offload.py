@@ -73,12 +73,44 @@ def test_tiers_conserve_blocks_and_account_for_every_transfer(write_bandwidth):
     kv = eng.kv
     assert res.counters["completed"] == len(reqs) and eng.checks > 100
     # the run exercises every path: CPU evictions, synchronous reloads, fs promotions and deferrals
-    assert kv.c["evictions"] > 50 and kv.c["cpu_reloads"] > 10 and kv.c["promotions"] > 10
-    assert sum(1 for a in kv.admissions.values() if a[3]) == kv.c["promotions"]
+    assert kv.c["evictions"] > 50 and kv.c["attempted"] > 10
+    assert sum(1 for a in kv.admissions.values() if a[3]) == kv.c["promotions"] + kv.c["warm_loads"]
     if write_bandwidth < 2:
-        assert kv.c["refused"] > 10 and kv.c["store_skips"] > 100
+        # nothing comes back from CPU: promotions are refused, and the 12-block legacy mirror
+        # thrashes (cyclic LRU over the running requests' prompt blocks)
+        assert kv.c["refused"] > 10 and kv.c["store_skips"] > 100 and kv.c["cpu_reloads"] == 0
     else:
-        assert kv.c["refused"] == 0
+        assert kv.c["refused"] == 0 and kv.c["cpu_reloads"] > 10 and kv.c["promotions"] > 10
+
+
+def test_warm_hits_wait_two_steps_and_mirror_hits_reload_at_once():
+    """With a 60-block CPU tier the legacy mirror holds prefixes: a request whose prefix continues
+    in it reloads at once (not deferred); one whose continuation only the offload tier holds is
+    deferred for an async load and admitted exactly two steps later (G03 request 84)."""
+    reqs, cfg, oc = _scenario()
+    oc = dataclasses.replace(oc, cpu_bytes_to_use=60 * BLOCK_BYTES)
+    held_seen = []
+
+    class Watched(OffloadEngine):
+        def _admit_new(self, now, st):
+            super()._admit_new(now, st)
+            for r in self.wait:
+                # a deferred warm load holds GPU blocks (off the free list, keyless) until reported
+                if r.warm_at is not None:
+                    assert r.held and all(self.kv.ref[b] == 1 and b not in self.kv.free
+                                          and self.kv.hash[b] is None for b in r.held)
+                    held_seen.append(len(r.held))
+
+    eng = Watched(reqs, cfg, toy_latency(), oc)
+    res, kv = eng.run(), eng.kv
+    assert held_seen and all(not r.held for r in eng.reqs)
+    starts = [s.start_us for s in res.steps]
+    assert kv.c["warm_loads"] == len(kv.warm_log) >= 2
+    for t0, rid in kv.warm_log:
+        assert kv.admissions[rid][0] == starts[starts.index(t0) + 2], rid
+        assert kv.admissions[rid][2] > 0 and kv.admissions[rid][3]   # admitted with the CPU blocks reloaded
+    sync = [a for a in kv.admissions.values() if a[2] > 0 and not a[3]]
+    assert len(sync) > 10
 
 
 def test_a_deferred_request_waits_whole_steps_for_its_read():
@@ -138,7 +170,7 @@ def test_config_from_a_trace_header():
 # the first divergence, and the aggregates within these relative bounds.
 AGREEMENT = {
     # case: (leading requests exact, hit rate, TTFT mean, E2E mean, KV Thrashing Rate (absolute))
-    "G03": (82, 0.01, 0.035, 0.002, 0.0),
+    "G03": (95, 0.01, 0.05, 0.002, 0.0),
     "G04": (37, 0.01, 0.06, 0.003, 0.006),
 }
 
