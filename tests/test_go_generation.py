@@ -51,6 +51,8 @@ def generated_records(case_dir) -> list[dict]:
             continue
         argv.append(str(case_dir / a) if (case_dir / a).is_file() and a.endswith((".yaml", ".json")) else a)
         k += 1
+    if "defaults" in case.get("config_files", {}):   # BLIS's run read a modified defaults.yaml in place
+        argv += ["--defaults-filepath", str(case_dir / "defaults.yaml")]
     # Flags of features blis-jax lacks (node pools, LoRA, offload, ...) do not touch generation.
     args, _unsupported = cli.build_parser().parse_known_args(argv)
     resolved = resolve_command(args, Diagnostics(io.StringIO()))
