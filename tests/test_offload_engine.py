@@ -80,7 +80,8 @@ def _same_run(out, res, requests, kv):
     c = {k: int(v[0]) for k, v in out.offload_counts.items()}
     assert (c["promotions_attempted"], c["promotions_refused"], c["promotions_done"], c["promotion_blocks"]) == \
         (kv.c["attempted"], kv.c["refused"], kv.c["promotions_done"], kv.c["promotion_blocks"])
-    assert (c["cpu_stores"], c["cpu_evictions"], c["store_skips"], c["cpu_reloads"], c["writes"], c["warm_loads"]) == \
+    names = ("cpu_stores", "cpu_evictions", "store_skips", "cpu_reloads", "writes", "warm_loads")
+    assert tuple(c[k] for k in names) == \
         (kv.c["stores"], kv.c["evictions"], kv.c["store_skips"], kv.c["cpu_reloads"], kv.c["writes"], kv.c["warm_loads"])
 
 
@@ -88,7 +89,8 @@ def _same_run(out, res, requests, kv):
 @pytest.mark.parametrize("variant", ["plain", "slow_writes", "ramp_jitter"])
 def test_synthetic_run_as_the_reference(variant):
     """Slow writes (1 byte/µs: 50 ms a block on 2 threads) keep CPU blocks pinned, so stores are
-    skipped, promotions refused and hits the legacy mirror has lost loaded warm; a ramp and jitter change every service time."""
+    skipped, promotions refused and hits the legacy mirror has lost loaded warm; a ramp and jitter
+    change every service time."""
     tier = {"plain": TIER, "slow_writes": dataclasses.replace(TIER, write_bandwidth=1.0),
             "ramp_jitter": dataclasses.replace(TIER, saturation_queue_depth=3, single_transfer_fraction=0.3,
                                                latency_jitter_stddev=0.4)}[variant]
@@ -149,8 +151,8 @@ def test_blis_case_as_the_reference_and_blis(case_id):
     diverged = [r for r in ref if got[r] != ref[r]]
     assert not diverged, f"engine != reference from request {diverged[0]}: {got[diverged[0]]} vs {ref[diverged[0]]}"
     counts = {k: int(v[0]) for k, v in out.offload_counts.items()}
-    assert (counts["promotions_attempted"], counts["promotions_refused"], counts["cpu_stores"], counts["warm_loads"]) == \
-        (kv.c["attempted"], kv.c["refused"], kv.c["stores"], kv.c["warm_loads"])
+    names = ("promotions_attempted", "promotions_refused", "cpu_stores", "warm_loads")
+    assert tuple(counts[k] for k in names) == (kv.c["attempted"], kv.c["refused"], kv.c["stores"], kv.c["warm_loads"])
     # against BLIS
     exact_n, lead_n, hit_tol, ttft_tol, e2e_tol, thrash_tol = AGREEMENT[case_id]
     exact = [(c.results[r.request_id]["ttft_us"], c.results[r.request_id]["e2e_us"]) == got[r.request_id]
@@ -175,8 +177,8 @@ def test_blocks_conserved_and_every_transfer_accounted_for():
     only for a pending warm load, referenced, not free; every write
     submitted completed or pending, every promotion attempted submitted or refused."""
     requests = _requests()
-    # 5 bytes/µs (10 ms a block on 2 threads): pinned blocks, refusals, promotions and warm loads in one run (the reference: 10
-    # promotions, 33 refused, 4 warm loads)
+    # 5 bytes/µs (10 ms a block on 2 threads): pinned blocks, refusals, promotions and warm loads in
+    # one run (the reference: 10 promotions, 33 refused, 4 warm loads)
     oc = _config(dataclasses.replace(TIER, write_bandwidth=5.0))
     params = params_from(SETTINGS)
     dims = sim.with_offload(sim.choose_dims(

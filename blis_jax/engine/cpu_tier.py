@@ -225,7 +225,8 @@ def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active, fr
     content key and goes back to the free-list tail (refcount 0). The head can be one of the
     request's own cached blocks, still on the free list: it is then re-keyed and its prefix lost
     (BLIS claims the cached prefix only afterwards). Afterwards the GPU-cached prefix is looked up
-    again. `fresh`: the request comes from an async load (offload.py; on_cpu). Returns (state, the blocks of that prefix, its length, the number reloaded, the number
+    again. `fresh`: the request comes from an async load (offload.py; on_cpu). Returns (state,
+    the blocks of that prefix, its length, the number reloaded, the number
     of the request's cached blocks re-keyed)."""
     from blis_jax.engine import kv
 

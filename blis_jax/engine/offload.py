@@ -19,6 +19,14 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
   refused / attempted), and is deferred until a poll sees the read done. Admission then sizes the
   chunk from the GPU-cached prefix and reloads the CPU continuation as the legacy tier does
   (cpu_tier.reload), free of step time.
+* The legacy mirror (BLIS's `--kv-cpu-blocks` store, kept beside the chain with the staging tier's
+  capacity, own slots `mir_*`): after each step the running requests' full prompt blocks, by their
+  GPU blocks' keys, are stored or touched (LRU, cpu_tier.lru_pass). Synchronous reloads come from
+  it alone (after an async load: from it or the staging tier; cpu_tier.on_cpu). A request whose
+  prefix the staging tier continues further than the mirror is a warm load: deferred, a
+  station-less job (tier -1, finish now + 1) ready at the next step's poll, admitted the step after;
+  from the deferral to that poll it holds (ref 1, no key) as many free-list head blocks as the
+  continuation has blocks off the GPU, which then go back, empty, to the free list's tail.
 * A job's service time: base + bytes / (bandwidth · ramp(depth)), times max(0.05, 1 + N·σ) (one
   draw of the instance's `kv-offload` stream per job when σ > 0, at submission; the draws are
   computed on the host, `norm_draws`), rounded half away from zero, at least 1 µs. Its finish is
