@@ -4,15 +4,15 @@ Test oracle only. The spec (blis-features §2.10) is thin: the semantics below w
 the blis-diff cases G03 (no jitter) and G04 (ramp + jitter), request by request.
 
 The jitted engine's port is blis_jax/engine/offload.py; tests/test_offload_engine.py checks that it
-gives this reference's run without the legacy mirror (`legacy_mirror=False`) request by request
-(G03, G04 and synthetic runs): the mirror and its warm loads are not ported yet.
+gives this reference's run (the default, `legacy_mirror=True`) request by request (G03, G04 and
+synthetic runs, one with warm loads).
 
 Agreement today (tests/test_reference_offload.py::test_offload_reference_against_blis):
 
 * G03: requests 0-94 exact (TTFT and E2E), 99/600 in all; cache hit rate 0.6829 vs 0.6856,
   TTFT mean 35.22 vs 33.56 ms, E2E mean 1069.19 vs 1067.40 ms, KV Thrashing Rate 0 = 0 (without
-  the legacy mirror, `legacy_mirror=False`, the jitted engine's model today: 0-81 exact, 82 in
-  all, hit rate 0.6832, TTFT mean 34.57 ms, E2E mean 1067.98 ms).
+  the legacy mirror, `legacy_mirror=False`, the jitted engine's model before its port: 0-81 exact,
+  82 in all, hit rate 0.6832, TTFT mean 34.57 ms, E2E mean 1067.98 ms).
 * G04: requests 0-36 exact, 39/600 in all; hit rate 0.6707 vs 0.6688, TTFT mean 44.66 vs
   42.47 ms, E2E mean 1071.98 vs 1070.02 ms, KV Thrashing Rate 0 vs 0.0055 (BLIS refuses ~1 of
   ~180 promotions; this refuses none).
@@ -194,7 +194,7 @@ class OffloadKVCache(KVCache):
     def __init__(self, total_blocks: int, block_size: int, cfg: OffloadConfig, seed: int = 42,
                  legacy_mirror: bool = True):
         super().__init__(total_blocks, block_size)
-        self.legacy_mirror = legacy_mirror   # False: the model before the mirror (the jitted engine's today)
+        self.legacy_mirror = legacy_mirror   # False: the model before the mirror (the jitted engine's before its port)
         from blis_jax.rng.streams import PartitionedRNG
         self.rng = PartitionedRNG(seed).for_subsystem("kv-offload")   # per instance (blis-rng §10.3)
         self.oc = cfg

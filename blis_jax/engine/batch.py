@@ -212,7 +212,7 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         scanned = on
         if dims.offload:
             # deferred for a promotion read in flight, or one just submitted: passed over
-            state, skipped, promoted = offload.before_admission(state, dims, params, req, r, n_hit, on)
+            state, skipped, promoted = offload.before_admission(state, dims, params, req, r, n_hit, on_gpu, on)
             on = on & ~skipped
         start = jnp.where(prefilled, req.input_len[r], n_hit * bs)
         n = first_chunk(params, req, r, start, budget, prefilled)
@@ -228,7 +228,8 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             # the reload (cpu_tier.reload), at most the blocks the chunk reaches; the chunk's
             # tokens past that prefix get new blocks.
             state, blocks, n_cached, n_reload, lost = cpu_tier.reload(
-                state, dims, params, req, r, n_hit, cached, on_gpu, on & ~prefilled & (n > 0) & lora_ok)
+                state, dims, params, req, r, n_hit, cached, on_gpu, on & ~prefilled & (n > 0) & lora_ok,
+                fresh=promoted if dims.offload else False)
             reloaded = n_reload > 0
             if dims.offload:
                 state = offload.after_reload(state, dims, req, r, n_hit, n_reload)

@@ -104,12 +104,15 @@ def init_arrays(dims: EngineDims) -> dict:
     )
 
 
-def on_cpu(state, keys):
-    """Whether each content key has an entry on CPU (with an offload chain: one not still being
-    brought in by a promotion read, ref count -1; offload.py)."""
-    slot = state.cpu_key_slot[jnp.clip(keys, 0, state.cpu_key_slot.shape[0] - 1)]
+def on_cpu(state, keys, fresh=False):
+    """Whether each content key can be reloaded from CPU. With an offload chain (offload.py): the
+    keys in its legacy mirror, and after an async load (`fresh`) also the staging tier's entries
+    not still being brought in by a promotion read (ref count -1)."""
+    safe = jnp.clip(keys, 0, state.cpu_key_slot.shape[0] - 1)
+    slot = state.cpu_key_slot[safe]
     if state.off is not None:
-        return (slot >= 0) & (state.off.slot_ref[jnp.maximum(slot, 0)] >= 0)
+        staged = (slot >= 0) & (state.off.slot_ref[jnp.maximum(slot, 0)] >= 0)
+        return (state.off.mir_key_slot[safe] >= 0) | (fresh & staged)
     return slot >= 0
 
 
@@ -129,7 +132,32 @@ def mirror(state, dims: EngineDims, params, active):
     in_row = active & (slots < state.batch_len)[:, None] & (j[None, :] < state.row_nblocks[rows][:, None])
     blocks = state.row_blocks[rows]
     keys = jnp.where(in_row, state.block_key[jnp.maximum(blocks, 0)], NO_KEY).reshape(-1)
-    valid = keys != NO_KEY
+    store = LruStore(state.cpu_slot_key, state.cpu_slot_stamp, state.cpu_key_slot, state.cpu_tick)
+    store, n_new, evict = lru_pass(store, dims, params.cpu.capacity, state.cpu_count, keys, keys != NO_KEY, active)
+    return dataclasses.replace(
+        state,
+        cpu_slot_key=store.slot_key,
+        cpu_slot_stamp=store.slot_stamp,
+        cpu_key_slot=store.key_slot,
+        cpu_tick=store.tick,
+        cpu_count=jnp.sum(store.slot_key >= 0).astype(jnp.int64),
+        cpu_stores=state.cpu_stores + jnp.where(active, n_new, 0),
+        cpu_evictions=state.cpu_evictions + jnp.where(active, evict, 0),
+    )
+
+
+class LruStore(eqx.Module):
+    """An LRU key store's arrays: CB slots (key, LRU stamp), the key -> slot map over KS keys, the tick."""
+
+    slot_key: Int64[Array, " CB"]
+    slot_stamp: Int64[Array, " CB"]
+    key_slot: Array  # int32 [KS]
+    tick: Int64[Array, ""]
+
+
+def lru_pass(store: LruStore, dims: EngineDims, capacity, count, keys, valid, active):
+    """One write-through pass of `keys` (the `valid` ones, in order) into the LRU store (see
+    `mirror`; `count`: its entries). Returns (store, keys newly stored, entries evicted)."""
     m = keys.shape[0]
     pos = jnp.arange(m, dtype=jnp.int64)
     nk = dims.cpu_keys
@@ -138,14 +166,14 @@ def mirror(state, dims: EngineDims, params, active):
     first_pos = jnp.full(nk, m, jnp.int64).at[safe_key].min(pos, mode="drop")
     last_pos = jnp.full(nk, -1, jnp.int64).at[safe_key].max(pos, mode="drop")[in_keys]
     first = valid & (first_pos[in_keys] == pos)
-    slot = state.cpu_key_slot[in_keys]
+    slot = store.key_slot[in_keys]
     present = first & (slot >= 0)
     new = first & (slot < 0)
     n_new = jnp.sum(new).astype(jnp.int64)
-    stamp = state.cpu_tick + last_pos       # a key's last use in this pass
+    stamp = store.tick + last_pos       # a key's last use in this pass
     c = dims.cpu_blocks
-    slot_stamp = state.cpu_slot_stamp.at[jnp.where(present, slot, c)].set(stamp, mode="drop")
-    evict = jnp.maximum(state.cpu_count + n_new - params.cpu.capacity, 0)
+    slot_stamp = store.slot_stamp.at[jnp.where(present, slot, c)].set(stamp, mode="drop")
+    evict = jnp.maximum(count + n_new - capacity, 0)
     # The new keys by last use: at each pass position, how many new keys were last used before it.
     last_of_new = valid & (last_pos == pos) & (slot < 0)
     new_before = jnp.cumsum(last_of_new) - last_of_new
@@ -175,29 +203,20 @@ def mirror(state, dims: EngineDims, params, active):
                 dropped | (on & new & (new_rank < evict)), on)
 
     slot_key, slot_stamp, key_slot, dropped, _ = masked_while(
-        cond, body, (state.cpu_slot_key, slot_stamp, state.cpu_key_slot, jnp.zeros(m, bool), jnp.asarray(False)),
-        (evict, state.cpu_tick, new_before, last_pos, stamp, new))
+        cond, body, (store.slot_key, slot_stamp, store.key_slot, jnp.zeros(m, bool), jnp.asarray(False)),
+        (evict, store.tick, new_before, last_pos, stamp, new))
     # The new entries kept, in order of first use, into the free slots below the capacity, in slot order.
     kept = new & ~dropped
-    empty = (slot_key < 0) & (jnp.arange(c) < params.cpu.capacity)
+    empty = (slot_key < 0) & (jnp.arange(c) < capacity)
     free_slots = jnp.nonzero(empty, size=c, fill_value=c)[0]
     dest = jnp.where(kept, free_slots[jnp.clip(jnp.cumsum(kept) - 1, 0, c - 1)], c)
     slot_key = slot_key.at[dest].set(keys, mode="drop")
     slot_stamp = slot_stamp.at[dest].set(stamp, mode="drop")
     key_slot = key_slot.at[jnp.where(dest < c, safe_key, nk)].set(dest.astype(jnp.int32), mode="drop")
-    return dataclasses.replace(
-        state,
-        cpu_slot_key=slot_key,
-        cpu_slot_stamp=slot_stamp,
-        cpu_key_slot=key_slot,
-        cpu_tick=state.cpu_tick + jnp.where(active, m, 0),
-        cpu_count=jnp.sum(slot_key >= 0).astype(jnp.int64),
-        cpu_stores=state.cpu_stores + jnp.where(active, n_new, 0),
-        cpu_evictions=state.cpu_evictions + jnp.where(active, evict, 0),
-    )
+    return LruStore(slot_key, slot_stamp, key_slot, store.tick + jnp.where(active, m, 0)), n_new, evict
 
 
-def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active):
+def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active, fresh=False):
     """BLIS's reload from CPU when a new request is allocated (`sim/kv/tiered.go`).
 
     From the first block past the GPU-cached prefix, the prompt's full blocks that are on CPU and
@@ -206,7 +225,8 @@ def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active):
     content key and goes back to the free-list tail (refcount 0). The head can be one of the
     request's own cached blocks, still on the free list: it is then re-keyed and its prefix lost
     (BLIS claims the cached prefix only afterwards). Afterwards the GPU-cached prefix is looked up
-    again. Returns (state, the blocks of that prefix, its length, the number reloaded, the number
+    again. `fresh`: the request comes from an async load (offload.py; on_cpu). Returns (state,
+    the blocks of that prefix, its length, the number reloaded, the number
     of the request's cached blocks re-keyed)."""
     from blis_jax.engine import kv
 
@@ -218,7 +238,7 @@ def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active):
     # block by block): reload i pops the free list's i-th block.
     on_gpu = hit & ~(state.block_free[jnp.maximum(cand, 0)] & (kv.free_rank(state, dims, params.total_kv_blocks, cand)
                                                               < j - n_hit))
-    want = on_cpu(state, keys) & ~on_gpu & (j < n_full)
+    want = on_cpu(state, keys, fresh) & ~on_gpu & (j < n_full)
     run = jnp.sum(jnp.cumprod(jnp.where(j >= n_hit, want, True).astype(jnp.int32)) * (j >= n_hit))
     run = jnp.where(active, jnp.minimum(run, state.free_count), 0).astype(jnp.int64)
     # The request's cached blocks the reload pops (re-keyed): BLIS counts them as hits all the same.

@@ -19,6 +19,14 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
   refused / attempted), and is deferred until a poll sees the read done. Admission then sizes the
   chunk from the GPU-cached prefix and reloads the CPU continuation as the legacy tier does
   (cpu_tier.reload), free of step time.
+* The legacy mirror (BLIS's `--kv-cpu-blocks` store, kept beside the chain with the staging tier's
+  capacity, own slots `mir_*`): after each step the running requests' full prompt blocks, by their
+  GPU blocks' keys, are stored or touched (LRU, cpu_tier.lru_pass). Synchronous reloads come from
+  it alone (after an async load: from it or the staging tier; cpu_tier.on_cpu). A request whose
+  prefix the staging tier continues further than the mirror is a warm load: deferred, a
+  station-less job (tier -1, finish now + 1) ready at the next step's poll, admitted the step after;
+  from the deferral to that poll it holds (ref 1, no key) as many free-list head blocks as the
+  continuation has blocks off the GPU, which then go back, empty, to the free list's tail.
 * A job's service time: base + bytes / (bandwidth · ramp(depth)), times max(0.05, 1 + N·σ) (one
   draw of the instance's `kv-offload` stream per job when σ > 0, at submission; the draws are
   computed on the host, `norm_draws`), rounded half away from zero, at least 1 µs. Its finish is
@@ -93,6 +101,18 @@ class OffloadState(eqx.Module):
     writes_done: Int64[Array, ""]
     store_skips: Int64[Array, ""]
     cpu_reloads: Int64[Array, ""]
+    warm_loads: Int64[Array, ""]
+    # the legacy mirror (BLIS's --kv-cpu-blocks store kept beside the chain, same capacity): GPU
+    # block keys, LRU (cpu_tier.lru_pass); the only source of synchronous reloads (cpu_tier.on_cpu)
+    mir_slot_key: Int64[Array, " CB"]
+    mir_slot_stamp: Int64[Array, " CB"]
+    mir_key_slot: Int32[Array, " KS"]
+    mir_tick: Int64[Array, ""]
+    mir_count: Int64[Array, ""]
+    # GPU blocks a warm load holds (B pool blocks): its job (-1 none) and the order they were taken
+    block_job: Int32[Array, " B"]
+    block_seq: Int64[Array, " B"]
+    hold_tick: Int64[Array, ""]
 
 
 # ----------------------------------------------------------------------------- host side
@@ -189,7 +209,14 @@ def init_state(dims: EngineDims, params: OffloadParams) -> OffloadState:
         stored=jnp.zeros(dims.num_requests, jnp.int64),
         taken=jnp.zeros(dims.window, bool),
         draw_pos=i64(0), attempted=i64(0), refused=i64(0), promotions_done=i64(0), promotion_blocks=i64(0),
-        writes=i64(0), writes_done=i64(0), store_skips=i64(0), cpu_reloads=i64(0),
+        writes=i64(0), writes_done=i64(0), store_skips=i64(0), cpu_reloads=i64(0), warm_loads=i64(0),
+        mir_slot_key=jnp.full(dims.cpu_blocks, -1, jnp.int64),
+        mir_slot_stamp=jnp.full(dims.cpu_blocks, BIG, jnp.int64),
+        mir_key_slot=jnp.full(dims.cpu_keys, -1, jnp.int32),
+        mir_tick=i64(0), mir_count=i64(0),
+        block_job=jnp.full(dims.kv_blocks, -1, jnp.int32),
+        block_seq=jnp.zeros(dims.kv_blocks, jnp.int64),
+        hold_tick=i64(0),
     )
 
 
@@ -250,10 +277,30 @@ def poll(state, dims: EngineDims, active):
     arrived = (off.slot_job >= 0) & reads[jnp.maximum(off.slot_job, 0)]
     slot_ref = jnp.where(arrived & (slot_ref == -1), 0, slot_ref)
     promo = off.promo.at[jnp.where(reads, off.job_item, dims.num_requests)].set(PROMOTED, mode="drop")
+    # a warm load's held GPU blocks go back to the free list's tail, empty, in the order taken
+    released = (off.block_job >= 0) & done[jnp.maximum(off.block_job, 0)]
+    state = _release_held(state, dims, released)
     return dataclasses.replace(state, off=dataclasses.replace(
         off, on_tier=on_tier, slot_ref=slot_ref, slot_job=jnp.where(arrived, -1, off.slot_job), promo=promo,
-        job_finish=jnp.where(done, INF_TIME, off.job_finish),
-        writes_done=off.writes_done + jnp.sum(writes), promotions_done=off.promotions_done + jnp.sum(reads)))
+        job_finish=jnp.where(done, INF_TIME, off.job_finish), block_job=jnp.where(released, -1, off.block_job),
+        writes_done=off.writes_done + jnp.sum(writes),
+        promotions_done=off.promotions_done + jnp.sum(reads & (off.job_tier >= 0))))
+
+
+def _release_held(state, dims: EngineDims, released):
+    """Push the `released` held blocks to the free-list tail in the order they were taken (a loop
+    of at most one iteration: the sort runs only when some are released)."""
+    b = dims.kv_blocks
+
+    def body(carry, ops, on):
+        state, _ = carry
+        released, seq = ops
+        order = jnp.argsort(jnp.where(released, seq, BIG)).astype(jnp.int32)
+        live = on & (jnp.arange(b) < jnp.sum(released))
+        return kv.push_free(state, dims, order, live), True
+
+    return masked_while(lambda c, ops: ~c[1] & jnp.any(ops[0]), body, (state, jnp.asarray(False)),
+                        (released, state.off.block_seq))[0]
 
 
 # ----------------------------------------------------------------------------- CPU staging slots
@@ -394,8 +441,31 @@ def after_execution(state, dims: EngineDims, params, req, active):
         i = order[k]
         return _store_request(state, dims, params.off, req, r[i], upto[i], on), k + on
 
-    return masked_while(lambda c, ops: c[1] < ops[-1], body, (state, jnp.int32(0)),
-                        (params, req, order, r, upto, jnp.sum(new).astype(jnp.int32)))[0]
+    state = masked_while(lambda c, ops: c[1] < ops[-1], body, (state, jnp.int32(0)),
+                         (params, req, order, r, upto, jnp.sum(new).astype(jnp.int32)))[0]
+    return _mirror(state, dims, params, req, active)
+
+
+def _mirror(state, dims: EngineDims, params, req, active):
+    """The legacy mirror's write-through after each step: the full prompt blocks of every running
+    request (batch order, block order), by their GPU blocks' keys, stored (LRU eviction) or
+    touched; not decode blocks (reference_offload.OffloadKVCache.mirror)."""
+    from blis_jax.engine import cpu_tier
+    from blis_jax.engine.state import NO_KEY
+
+    slots = jnp.arange(dims.batch_slots)
+    rows = jnp.maximum(state.batch_rows, 0)
+    r = jnp.maximum(state.row_req[rows], 0)
+    j = jnp.arange(dims.blocks_per_request)
+    in_row = active & (slots < state.batch_len)[:, None] & (j[None, :] < state.row_nblocks[rows][:, None]) \
+        & ((j[None, :] + 1) * dims.block_size <= req.input_len[r][:, None])
+    keys = jnp.where(in_row, state.block_key[jnp.maximum(state.row_blocks[rows], 0)], NO_KEY).reshape(-1)
+    off = state.off
+    store = cpu_tier.LruStore(off.mir_slot_key, off.mir_slot_stamp, off.mir_key_slot, off.mir_tick)
+    store, _, _ = cpu_tier.lru_pass(store, dims, params.off.capacity, off.mir_count, keys, keys != NO_KEY, active)
+    return dataclasses.replace(state, off=dataclasses.replace(
+        off, mir_slot_key=store.slot_key, mir_slot_stamp=store.slot_stamp, mir_key_slot=store.key_slot,
+        mir_tick=store.tick, mir_count=jnp.sum(store.slot_key >= 0).astype(jnp.int64)))
 
 
 # ----------------------------------------------------------------------------- batch formation
@@ -422,17 +492,55 @@ def _promote(state, dims: EngineDims, params: OffloadParams, r, keys, j, tier, s
     return _insert(state, dims, params, keys, new & go, -1, job.astype(jnp.int32)), go
 
 
-def before_admission(state, dims: EngineDims, params, req, r, n_hit, active):
-    """The skip-scan's look at waiting request r (GPU prefix `n_hit` blocks): deferred while its
-    promotion read is in flight; a promotion submitted (and r deferred) when its prefix continues,
-    past the blocks on CPU, on a secondary tier. Returns (state, skipped, promoted earlier)."""
+def _warm_load(state, dims: EngineDims, params, r, n_hold, active):
+    """Defer r as a warm load (vLLM load_async): a job ready at the next step's poll (finish now + 1;
+    tier -1: no station) holding `n_hold` GPU blocks from the free-list head, keys dropped, until
+    that poll (poll / _release_held). Returns (state, deferred)."""
+    off = state.off
+    job = jnp.argmax(off.job_finish == INF_TIME)
+    overflow = active & (off.job_finish[job] != INF_TIME)
+    go = active & ~overflow
+    at = jnp.where(go, job, dims.offload_jobs)
+    misses = state.kv_misses
+    n = jnp.where(go, jnp.minimum(n_hold, state.free_count), 0)
+    state, ids = kv.pop_blocks(state, dims, n, params.total_kv_blocks, dims.blocks_per_request)
+    live = jnp.arange(dims.blocks_per_request) < n
+    held = jnp.where(live, ids, dims.kv_blocks)
+    off = dataclasses.replace(
+        off,
+        job_finish=off.job_finish.at[at].set(state.now + 1, mode="drop"),
+        job_tier=off.job_tier.at[at].set(-1, mode="drop"),
+        job_write=off.job_write.at[at].set(False, mode="drop"),
+        job_item=off.job_item.at[at].set(r.astype(jnp.int64), mode="drop"),
+        promo=off.promo.at[jnp.where(go, r, dims.num_requests)].set(PROMOTING, mode="drop"),
+        block_job=off.block_job.at[held].set(job.astype(jnp.int32), mode="drop"),
+        block_seq=off.block_seq.at[held].set(off.hold_tick + jnp.arange(dims.blocks_per_request), mode="drop"),
+        hold_tick=off.hold_tick + n, warm_loads=off.warm_loads + go)
+    return dataclasses.replace(state, off=off, kv_misses=misses,
+                               result=state.result | jnp.where(overflow, results.OFFLOAD_FULL, 0).astype(jnp.int32)), go
+
+
+def before_admission(state, dims: EngineDims, params, req, r, n_hit, on_gpu, active):
+    """The skip-scan's look at waiting request r (GPU prefix `n_hit` blocks, `on_gpu` the prompt
+    blocks the GPU holds): deferred while its async load is in flight; deferred as a warm load when
+    the staging tier continues the prefix further than the legacy mirror; a promotion submitted (and
+    r deferred) when its prefix continues, past the blocks on CPU, on a secondary tier. Returns
+    (state, skipped, loaded earlier)."""
     off = state.off
     p = off.promo[r]
     deferred = active & (p == PROMOTING)
     j, keys, n_full = _prompt_keys(dims, req, r)
     slot = state.cpu_key_slot[keys]
     on_cpu = (slot >= 0) & (off.slot_ref[jnp.maximum(slot, 0)] >= 0) & (j < n_full)
-    far_start = n_hit + _run_from(n_hit, on_cpu, j)
+    cpu_run = _run_from(n_hit, on_cpu, j)
+    mirror_run = _run_from(n_hit, (off.mir_key_slot[keys] >= 0) & (j < n_full), j)
+    # its blocks: the continuation the staging tier holds and the GPU does not
+    n_hold = _run_from(n_hit, on_cpu & ~on_gpu, j)
+    state, warm = _warm_load(state, dims, params, r, n_hold,
+                             active & ~deferred & (p == NO_PROMOTION) & (cpu_run > mirror_run))
+    deferred = deferred | warm
+    off = state.off
+    far_start = n_hit + cpu_run
     runs = jnp.stack([_run_from(far_start, off.on_tier[t, keys] & (j < n_full), j)
                       for t in range(dims.offload_tiers)]) if dims.offload_tiers else jnp.zeros(1, jnp.int64)
     tier = jnp.argmax(runs).astype(jnp.int32)   # the longest run, the first tier on a tie

@@ -469,4 +469,5 @@ def offload_counts(s) -> dict:
         ("promotions_attempted", o.attempted), ("promotions_refused", o.refused),
         ("promotions_done", o.promotions_done), ("promotion_blocks", o.promotion_blocks),
         ("cpu_stores", s.cpu_stores), ("cpu_evictions", s.cpu_evictions), ("store_skips", o.store_skips),
-        ("cpu_reloads", o.cpu_reloads), ("writes", o.writes), ("writes_done", o.writes_done))}
+        ("cpu_reloads", o.cpu_reloads), ("writes", o.writes), ("writes_done", o.writes_done),
+        ("warm_loads", o.warm_loads))}
