@@ -40,6 +40,7 @@ import dataclasses
 import math
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int64
 
@@ -155,6 +156,23 @@ class LruStore(eqx.Module):
     tick: Int64[Array, ""]
 
 
+def _first_and_last_use(keys):
+    """For each position of `keys`, the first and the last position holding the same key. By a
+    stable sort of the pass's keys (not a scatter over the whole key space, which grows with the
+    number of requests: per-step work stays independent of it)."""
+    m = keys.shape[0]
+    order = jnp.argsort(keys, stable=True)
+    sorted_keys = keys[order]
+    starts = jnp.concatenate([jnp.ones(1, bool), sorted_keys[1:] != sorted_keys[:-1]])
+    segment = jnp.cumsum(starts) - 1
+    pos = order.astype(jnp.int64)
+    seg_first = jax.ops.segment_min(pos, segment, num_segments=m, indices_are_sorted=True)
+    seg_last = jax.ops.segment_max(pos, segment, num_segments=m, indices_are_sorted=True)
+    first = jnp.zeros(m, jnp.int64).at[order].set(seg_first[segment])
+    last = jnp.zeros(m, jnp.int64).at[order].set(seg_last[segment])
+    return first, last
+
+
 def lru_pass(store: LruStore, dims: EngineDims, capacity, count, keys, valid, active):
     """One write-through pass of `keys` (the `valid` ones, in order) into the LRU store (see
     `mirror`; `count`: its entries). Returns (store, keys newly stored, entries evicted)."""
@@ -163,9 +181,8 @@ def lru_pass(store: LruStore, dims: EngineDims, capacity, count, keys, valid, ac
     nk = dims.cpu_keys
     safe_key = jnp.where(valid, keys, nk)
     in_keys = jnp.minimum(safe_key, nk - 1)
-    first_pos = jnp.full(nk, m, jnp.int64).at[safe_key].min(pos, mode="drop")
-    last_pos = jnp.full(nk, -1, jnp.int64).at[safe_key].max(pos, mode="drop")[in_keys]
-    first = valid & (first_pos[in_keys] == pos)
+    first_pos, last_pos = _first_and_last_use(safe_key)
+    first = valid & (first_pos == pos)
     slot = store.key_slot[in_keys]
     present = first & (slot >= 0)
     new = first & (slot < 0)
