@@ -30,6 +30,7 @@ from blis_jax.metrics import kv_cache_metrics
 from blis_jax.workload.requests import make_request_set
 from cluster_helpers import after_each_chunk  # noqa: E402
 from engine_helpers import latency_model, params_from  # noqa: E402
+from test_offload_engine import tiny_offload_buffers  # noqa: E402
 
 INSTANCES = 3
 TOTAL_KV_BLOCKS = 40
@@ -243,20 +244,10 @@ def test_full_offload_buffers_grow_and_rerun_in_a_cluster(monkeypatch):
     """An instance's chain running out of pending jobs or jitter draws (OFFLOAD_FULL) stops the
     cluster for a rerun with more (engine/growth.py), and the run that fits is the one planned
     large from the start."""
-    from blis_jax.engine import offload
-
     requests = _requests(_rows(n=45))
     tiers = {"offload": _offload(tier=dataclasses.replace(TIER, write_bandwidth=2.0, latency_jitter_stddev=0.3))}
     planned = _cluster(requests, tiers)
-    sizes = []
-    original = offload.engine_sizes
-
-    def tiny(dims, cfg, growth=1):
-        out = dict(original(dims, cfg, growth), offload_jobs=4 * growth, offload_draws=64 * growth)
-        sizes.append((out["offload_jobs"], out["offload_draws"]))
-        return out
-
-    monkeypatch.setattr(offload, "engine_sizes", tiny)
+    sizes = tiny_offload_buffers(monkeypatch)
     grown = _cluster(requests, tiers)
     assert len(sizes) >= 2 and sizes[0] == (4, 64), sizes
     assert grown.result == 0 and planned.result == 0

@@ -353,16 +353,11 @@ def test_unsupported_combinations_are_refused():
             sim.simulate_instance(requests, params, latency_model(), offload=_config(), **kwargs)
 
 
-@pytest.mark.slow  # compiles three sizes of one program (~40 s on 2 cores)
-def test_full_job_and_draw_buffers_grow_and_rerun(monkeypatch):
-    """Pending jobs or jitter draws running out is a result code: the driver reruns with more, and
-    the run that fits is the one planned large from the start."""
+def tiny_offload_buffers(monkeypatch) -> list:
+    """Plan the chain's pending-job and jitter-draw buffers tiny (4 and 64, times the growth);
+    returns the list the sizes of each attempt are appended to."""
     from blis_jax.engine import offload
 
-    requests = _requests(n=40)
-    model = latency_model()
-    oc = _config(dataclasses.replace(TIER, write_bandwidth=2.0, latency_jitter_stddev=0.3))
-    planned, _, _ = _engine(requests, SETTINGS, model, oc, seed=3)
     sizes = []
     original = offload.engine_sizes
 
@@ -372,6 +367,18 @@ def test_full_job_and_draw_buffers_grow_and_rerun(monkeypatch):
         return out
 
     monkeypatch.setattr(offload, "engine_sizes", tiny)
+    return sizes
+
+
+@pytest.mark.slow  # compiles three sizes of one program (~40 s on 2 cores)
+def test_full_job_and_draw_buffers_grow_and_rerun(monkeypatch):
+    """Pending jobs or jitter draws running out is a result code: the driver reruns with more, and
+    the run that fits is the one planned large from the start."""
+    requests = _requests(n=40)
+    model = latency_model()
+    oc = _config(dataclasses.replace(TIER, write_bandwidth=2.0, latency_jitter_stddev=0.3))
+    planned, _, _ = _engine(requests, SETTINGS, model, oc, seed=3)
+    sizes = tiny_offload_buffers(monkeypatch)
     grown, _, _ = _engine(requests, SETTINGS, model, oc, seed=3)
     assert len(sizes) >= 2 and sizes[0] == (4, 64), sizes
     assert grown.result == 0 and planned.result == 0
