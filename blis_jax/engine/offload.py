@@ -35,8 +35,9 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
 Static sizes (dims.offload_*): tiers, servers per station, pending jobs and jitter draws. Pending
 jobs or draws running out stop the run with OFFLOAD_FULL, and the driver reruns with more
 (growth.py). Without an offload chain `state.off` and `params.off` are None: nothing here is traced.
-For now: a lone instance, the fcfs scheduler, no LoRA, no closed-loop sessions (simulate.py
-refuses the rest); decode steps are not coasted (coast.py does not poll the stations).
+For now: the fcfs scheduler, no LoRA, no closed-loop sessions, and in clusters no PD pools,
+autoscaler or node pools (simulate.py refuses the rest); decode steps are not coasted (coast.py
+does not poll the stations).
 """
 
 from __future__ import annotations
