@@ -115,6 +115,7 @@ def test_encode_decision_advances_the_round_robin_counter(decider):
     assert np.all(np.asarray(final.steps)[:2] == 0) and np.all(np.asarray(final.finished)[:2] == 0)
 
 
+@pytest.mark.slow  # a cluster program of its own (~10-20 s on 2 cores): the default suite stays under 10 min
 def test_encode_pool_with_pd_pools_takes_the_last_indices_and_a_step_before_decode():
     """Prefill slot 0, decode slot 1, encode slots 2-3; pd-decider always: per request the
     encode, decode and prefill decisions take three counter steps."""
@@ -133,6 +134,7 @@ def test_encode_pool_with_pd_pools_takes_the_last_indices_and_a_step_before_deco
     assert np.all(np.asarray(states[-1].instances.steps)[2:] == 0)
 
 
+@pytest.mark.slow  # a cluster program of its own (~10-20 s on 2 cores): the default suite stays under 10 min
 @pytest.mark.parametrize("cluster", [dict(encode_instances=2),   # never: the pool sits idle
                                      dict(encode_instances=2, encode_decider="multimodal")])
 def test_encode_instances_without_a_firing_decider_change_nothing(cluster):
@@ -221,6 +223,7 @@ def test_generated_and_replayed_multimodal_requests_fire_the_decider(tmp_path):
     np.testing.assert_array_equal(encode.fires("multimodal", replayed), replayed.input_len > 40)
 
 
+@pytest.mark.slow  # a cluster program of its own (~10-20 s on 2 cores): the default suite stays under 10 min
 def test_least_loaded_encode_decision_draws_from_the_router_stream():
     """Least-loaded with idle instances ties everywhere: each decision is one Intn(2) of the
     `router` stream (blis-rng §10.1-10.2). With the encode decider always, the encode draw comes
