@@ -314,3 +314,17 @@ def test_g02_without_the_cpu_tier_is_blis_without_offload():
     assert res.counters["cache_hit_rate"] == pytest.approx(want["cache_hit_rate"], abs=1e-12)
     assert round(np.mean([r["ttft_us"] for r in done]) / 1000, 3) == want["ttft_mean_ms"]
     assert round(np.mean([r["e2e_us"] for r in done]) / 1000, 3) == want["e2e_mean_ms"]
+
+
+@pytest.mark.parametrize("m, key_space", [(50, 100), (300, 40), (50, 1000), (1000, 100_000)])
+def test_first_and_last_use_of_each_key_in_a_pass(m, key_space):
+    """The mirror's per-pass first and last use of each key, on both of its paths (a scatter over
+    a small key space, a sort of the pass over a large one), against a direct search."""
+    from blis_jax.engine.cpu_tier import _first_and_last_use
+
+    rng = np.random.default_rng(m + key_space)
+    keys = rng.integers(0, key_space + 1, m)   # key_space: no key
+    first, last = (np.asarray(a) for a in _first_and_last_use(jnp.asarray(keys), key_space))
+    for i in np.flatnonzero(keys < key_space):
+        same = np.flatnonzero(keys == keys[i])
+        assert (first[i], last[i]) == (same[0], same[-1]), i

@@ -156,21 +156,26 @@ class LruStore(eqx.Module):
     tick: Int64[Array, ""]
 
 
-def _first_and_last_use(keys):
-    """For each position of `keys`, the first and the last position holding the same key. By a
-    stable sort of the pass's keys (not a scatter over the whole key space, which grows with the
-    number of requests: per-step work stays independent of it)."""
+def _first_and_last_use(keys, key_space: int):
+    """For each position of `keys` (values in [0, key_space], key_space for none), the first and
+    the last position holding the same key. Per-step work stays independent of the number of
+    requests (the key space grows with it): a scatter over the key space while that space is
+    at most 8x the pass (cheapest there), else a sort of the pass's keys."""
     m = keys.shape[0]
-    order = jnp.argsort(keys, stable=True)
-    sorted_keys = keys[order]
-    starts = jnp.concatenate([jnp.ones(1, bool), sorted_keys[1:] != sorted_keys[:-1]])
-    segment = jnp.cumsum(starts) - 1
-    pos = order.astype(jnp.int64)
-    seg_first = jax.ops.segment_min(pos, segment, num_segments=m, indices_are_sorted=True)
-    seg_last = jax.ops.segment_max(pos, segment, num_segments=m, indices_are_sorted=True)
-    first = jnp.zeros(m, jnp.int64).at[order].set(seg_first[segment])
-    last = jnp.zeros(m, jnp.int64).at[order].set(seg_last[segment])
-    return first, last
+    pos = jnp.arange(m, dtype=jnp.int64)
+    if key_space <= 8 * m:
+        in_keys = jnp.minimum(keys, key_space - 1)
+        first = jnp.full(key_space, m, jnp.int64).at[keys].min(pos, mode="drop")[in_keys]
+        last = jnp.full(key_space, -1, jnp.int64).at[keys].max(pos, mode="drop")[in_keys]
+        return first, last
+    packed = jnp.sort(keys.astype(jnp.int64) * m + pos)   # by key, then position
+    key, at = packed // m, packed % m
+    starts = jnp.concatenate([jnp.ones(1, bool), key[1:] != key[:-1]])
+    ends = jnp.concatenate([key[1:] != key[:-1], jnp.ones(1, bool)])
+    i = jnp.arange(m)
+    seg_first = at[jax.lax.cummax(jnp.where(starts, i, 0))]
+    seg_last = at[jax.lax.cummin(jnp.where(ends, i, m - 1), reverse=True)]
+    return jnp.zeros(m, jnp.int64).at[at].set(seg_first), jnp.zeros(m, jnp.int64).at[at].set(seg_last)
 
 
 def lru_pass(store: LruStore, dims: EngineDims, capacity, count, keys, valid, active):
@@ -181,7 +186,7 @@ def lru_pass(store: LruStore, dims: EngineDims, capacity, count, keys, valid, ac
     nk = dims.cpu_keys
     safe_key = jnp.where(valid, keys, nk)
     in_keys = jnp.minimum(safe_key, nk - 1)
-    first_pos, last_pos = _first_and_last_use(safe_key)
+    first_pos, last_pos = _first_and_last_use(safe_key, nk)
     first = valid & (first_pos == pos)
     slot = store.key_slot[in_keys]
     present = first & (slot >= 0)
