@@ -475,27 +475,26 @@ class KVCacheMetrics:
         return bool(self.preemption_rate or self.cache_hit_rate or self.thrashing_rate)
 
 
+def _mean_instance_rate(numerator, denominator) -> float:
+    """Per instance numerator / denominator (0 where the denominator is 0), then the mean over
+    instances, as BLIS averages its per-instance KV rates (blis-features §1.9)."""
+    num, den = (np.asarray(c, np.int64).reshape(-1) for c in (numerator, denominator))
+    if den.size == 0:
+        return 0.0
+    return float(np.where(den > 0, num / np.maximum(den, 1), 0.0).mean())
+
+
 def offload_thrashing_rate(counts: Mapping[str, np.ndarray]) -> float:
     """The multi-tier offload chain's KV Thrashing Rate from its per-instance counters
-    (SimOutput.offload_counts): per instance, promotions refused (the CPU tier had no free or
-    evictable slot) / promotions attempted (0 without attempts), then the mean over instances,
-    as BLIS averages its per-instance rates (blis-features §1.9)."""
-    attempted = np.asarray(counts["promotions_attempted"], np.int64).reshape(-1)
-    refused = np.asarray(counts["promotions_refused"], np.int64).reshape(-1)
-    if attempted.size == 0:
-        return 0.0
-    rates = np.where(attempted > 0, refused / np.maximum(attempted, 1), 0.0)
-    return float(rates.mean())
+    (SimOutput.offload_counts): promotions refused (the CPU tier had no free or evictable slot)
+    / promotions attempted, averaged over instances."""
+    return _mean_instance_rate(counts["promotions_refused"], counts["promotions_attempted"])
 
 
 def cpu_tier_thrashing_rate(counts) -> float:
     """The legacy CPU tier's KV Thrashing Rate from its per-instance (misses, stores, evictions)
-    (SimOutput.cpu_tier_counts): per instance, evictions / stores (0 without stores), then the
-    mean over instances, as BLIS averages its per-instance rates (blis-features §1.9)."""
-    stores, evictions = (np.asarray(c, np.int64).reshape(-1) for c in counts[1:])
-    if stores.size == 0:
-        return 0.0
-    return float(np.where(stores > 0, evictions / np.maximum(stores, 1), 0.0).mean())
+    (SimOutput.cpu_tier_counts): evictions / stores, averaged over instances."""
+    return _mean_instance_rate(counts[2], counts[1])
 
 
 def kv_cache_metrics(out: SimOutput, thrashing_rate: float = 0.0) -> KVCacheMetrics:
@@ -504,7 +503,7 @@ def kv_cache_metrics(out: SimOutput, thrashing_rate: float = 0.0) -> KVCacheMetr
     stores, or the offload chain's refused / attempted promotions."""
     completed = int(out.completed_mask().sum())
     preemptions = int(out.preemption_count.sum())
-    if getattr(out, "offload_counts", None) is not None:
+    if out.offload_counts is not None:
         # the offload chain (engine/offload.py), whose CPU staging tier may fill cpu_tier_counts
         # too: its rate is the promotions', not the legacy tier's evictions / stores
         thrashing_rate = offload_thrashing_rate(out.offload_counts)

@@ -36,7 +36,7 @@ from blis_jax.engine.growth import Growth, run_growing
 from blis_jax.engine.itl_log import ItlLogReader
 from blis_jax.engine.params import INF_TIME, EngineParams
 from blis_jax.engine.simulate import (request_arrays, to_output, with_adapter_counts, with_cpu_tier, with_lora,
-                                      with_offload, with_tier_params)
+                                      with_offload, with_offload_params, with_tier_params)
 from blis_jax.errors import ConfigError
 from blis_jax.naming import name
 from blis_jax.rng.go_jax import go_stream
@@ -445,11 +445,7 @@ def _simulate_cluster_views(
         )
         edims = with_lora(dataclasses.replace(edims, sample_wait=True), lora)  # sample_wait: HOL blocking events
         edims = with_offload(with_cpu_tier(edims, cpu_tier), offload, growth.offload)
-        run_params = params
-        if offload is not None:  # every instance's chain draws the same jitter stream (blis-rng §10.3)
-            from blis_jax.engine import offload as offload_mod
-
-            run_params = dataclasses.replace(params, off=offload_mod.make_params(offload, edims, seed))
+        run_params = with_offload_params(params, edims, offload, seed)
         if cluster.pd:
             edims = dataclasses.replace(edims, exit_log=2 * edims.batch_slots, transfers=True)
         shared = cluster.pd and cluster.prefill_decode_instances > 0

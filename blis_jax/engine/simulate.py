@@ -285,8 +285,6 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
         adapters = lora.adapter_index(lora_mod.adapter_labels(requests))
         params = lora_mod.with_params(params, lora)
     if offload is not None:
-        from blis_jax.engine import offload as offload_mod
-
         if scheduler != "fcfs" or lora is not None or sessions is not None or trace_steps:
             raise ConfigError("kv_offload: the multi-tier KV offload chain runs with the fcfs scheduler, without "
                               "LoRA adapters, closed-loop sessions or a step trace for now")
@@ -317,10 +315,8 @@ def _drive(requests, sessions, params, model, *, block_size: int = 16, scheduler
         dims = with_lora(dims, lora)
         if cpu_tier is not None:
             dims = with_cpu_tier(dims, cpu_tier)
-        run_params = params
-        if offload is not None:
-            dims = with_offload(dims, offload, growth.offload)
-            run_params = dataclasses.replace(params, off=offload_mod.make_params(offload, dims, seed))
+        dims = with_offload(dims, offload, growth.offload)
+        run_params = with_offload_params(params, dims, offload, seed)
         req = request_arrays(requests, dims, sessions, adapters)
         inputs = jax.device_put((run_params, req, model))
         start_program, chunk_program = _driver_programs(dims)
@@ -361,6 +357,16 @@ def with_tier_params(params: EngineParams, block_size: int, cpu_tier=None, offlo
         return dataclasses.replace(params, cpu=cpu_mod.CpuTierParams(
             capacity=jnp.asarray(int(offload.cpu_blocks), jnp.int64), reload_us=jnp.asarray(0, jnp.int64)))
     return params
+
+
+def with_offload_params(params: EngineParams, dims: EngineDims, offload, seed: int) -> EngineParams:
+    """`params` with the offload chain's own figures for a run of `dims` (its jitter draws from the
+    `kv-offload` stream of `seed`: every instance's the same, blis-rng §10.3); None: unchanged."""
+    if offload is None:
+        return params
+    from blis_jax.engine import offload as offload_mod
+
+    return dataclasses.replace(params, off=offload_mod.make_params(offload, dims, seed))
 
 
 def with_lora(dims: EngineDims, lora) -> EngineDims:
