@@ -112,6 +112,43 @@ E2E means in ms (538.0 / 2952.6) / requests with TTFT within 2 ms and E2E within
   again to the free-list tail (last block first, as BLIS releases) gives 78, first block first 48.
   So the failure path differs from BLIS before any holding; a fit of the rollback case (91)
   would be the next step, then the hold on top of it.
+
+Session g02, second search (no mode adopted; 8 of 500 exact in every variant below; G01 stays
+600/600 in each unless said). Same figures as above, "TTFT 2 ms" = requests with TTFT within 2 ms.
+* Fits of the rollback patch (BLIS 91), all else the default: the reload loop running while the
+  free list is non-empty instead of at most its length at the start 84 (G01 never reaches that
+  bound); that plus the failed claim released to the tail 101; no reload time charged on a failed
+  allocation 55 (with the unbounded loop 70; with the release 54); a GPU-held block skipped
+  instead of stopping the reload 49. None gives 91; the figure depends on too many unknowns
+  (all variants move it by 10-40) to pin the failure path alone.
+* Rules confirmed by G01 (each variant breaks it): the reload pops the free-list head (tail: 50 of
+  600 exact) and claims the re-looked-up prefix, not batch formation's cached list (that list,
+  re-keyed blocks included: G01 timings exact but hit rate 0.6960 and KV thrashing 0.6116, vs
+  0.6956 and 0.6144). G01 has 4 reloads that re-key the request's own cached blocks (73 blocks)
+  and none that fails.
+* The stop rule checked block by block stays: listing the blocks to reload before popping any
+  (G01 exact) cuts the failing head's reloads and runs the window 8.5 ms fast (lead 2: 120).
+* Check from the prefix (cfp): when the reload re-keyed own blocks (prefix ends before the chunk's
+  start) the fit check counts the tail from the prefix end, the allocation still being G01's
+  (from the chunk's start, shifted keys). With lead 2: 111 / 0.618 / 407 / 2811 / TTFT 2 ms 119
+  (lead 2: 104), TTFT 2 ms and E2E 5 ms 65 (55); 27 is no longer admitted at 3.945 and 4.040 s
+  with a hole before its chunk (preempted once, not 3 times) and 13's E2E is +1.4 ms. With
+  no_rollback: 215; with the default: 59.
+* The window is BLIS's to 0.3 ms with lead 2 + cfp, holders' retries reloading past their held
+  prefix (then claiming the rest of the prefix and the tail, or holding on), and one hold forced
+  by time: 27 holding its claim (64 shared blocks + the 10 it reloaded, the whole free list) at
+  4.137 s. Then 26 is preempted at 4.153 s and re-admitted at 4.1676 s (BLIS 4.1673), 13 ends in
+  that step (E2E +0.3 ms), 27 and 28 are admitted at 4.1825 s (4.1822) in an 18.29 ms step (BLIS
+  18.3 ms: the two holders' retries reload 24 blocks) and 29 and 30 at 4.2160 s (4.2156). So in
+  BLIS the failing head does not hold through 3.84-4.12 s (its reloads make the step times) but
+  holds once near 4.137 s; what triggers that hold is not found: its attempts at 4.106 s and
+  4.137 s are the same from its side (cached 64, reloads 64-73 into the 10 free blocks, which
+  are its own earlier reloads, prefix 74, claim 74 of which 10 free, tail 23, nothing of its own
+  re-keyed). Rules tried with cfp and retry reloads: lead 2 117 / 0.646 / 435 / 2864 (26 not
+  preempted, 27 and 28 +2.9 ms); holding when the reloads are the whole free list and re-keyed
+  nothing of its own 155 (fires from 3.976 s: 25 preempted); no_rollback 222. Without cfp,
+  holding when the claim's blocks are all free or nothing of its own was re-keyed: 186 / 0.648 /
+  481 / 2882 (preemptions nearest BLIS's, window wrong: 25 preempted, 13 14 ms early).
 """
 
 from __future__ import annotations
