@@ -151,7 +151,9 @@ CPU_TIER_GAPS = {
     "G02": ("the legacy CPU KV tier's no-rollback quirk (issue #24): a request whose allocation fails after a "
             "reload keeps the claimed blocks while it waits (8 of 500 requests exact, 96 preemptions vs 189; first "
             "divergence at 3.777 s, the first allocation that fails after a reload (request 28); the eager oracle's "
-            "no-rollback mode, tests/reference_tiered.py, is not BLIS's yet either: 8 of 500, 214 preemptions)"),
+            "no-rollback mode, tests/reference_tiered.py, is not BLIS's yet either: 8 of 500, 214 preemptions; its "
+            "docstring logs ~40 failure-path variants, none past 8 of 500: the closest has 125 TTFTs within 2 ms, "
+            "and a hold forced at 4.137 s fits BLIS's 4.13-4.22 s window to 0.3 ms)"),
 }
 
 # What the multi-tier offload chain still lacks per reference case (issue #24; reference_offload.py's docstring).

@@ -149,6 +149,17 @@ Session g02, second search (no mode adopted; 8 of 500 exact in every variant bel
   nothing of its own 155 (fires from 3.976 s: 25 preempted); no_rollback 222. Without cfp,
   holding when the claim's blocks are all free or nothing of its own was re-keyed: 186 / 0.648 /
   481 / 2882 (preemptions nearest BLIS's, window wrong: 25 preempted, 13 14 ms early).
+* Best agreement of this search (lead 2z): lead 2 whose failing claim is also held when none of
+  its blocks is free (the request's own blocks all re-keyed: it holds only blocks in use by
+  running requests, which costs no free block), cfp (on retries too), and retries reloading past
+  the held prefix, claiming the rest only when it and the tail fit: 128 / 0.6515 / 378 / 2797 /
+  TTFT 2 ms 125, TTFT 2 ms and E2E 5 ms 75 (the most of any variant; hit rate within 0.002).
+  Its window lacks 26's preemption, but it shows where BLIS's hold may come from: 27 holds the
+  64 shared blocks at 4.117 s (its reload re-keyed all its own), and its retry at 4.132 s
+  reloads 12 blocks, the whole free list, that do not fit with the tail; holding them there is
+  the forced hold above. A retry that holds its reloaded blocks whenever they fit (223) or
+  when they are the whole free list (187) also fires at 3.79 s (28: 1 of 1 free) or 3.91 s (27:
+  24 of 24) and preempts 24 and 25.
 """
 
 from __future__ import annotations
