@@ -122,9 +122,10 @@ Session g02, second search (no mode adopted; 8 of 500 exact in every variant bel
   instead of stopping the reload 49. None gives 91; the figure depends on too many unknowns
   (all variants move it by 10-40) to pin the failure path alone.
 * Rules confirmed by G01 (each variant breaks it): the reload pops the free-list head (tail: 50 of
-  600 exact) and claims the re-looked-up prefix, not batch formation's cached list (that list,
-  re-keyed blocks included: G01 timings exact but hit rate 0.6960 and KV thrashing 0.6116, vs
-  0.6956 and 0.6144). G01 has 4 reloads that re-key the request's own cached blocks (73 blocks)
+  600 exact), puts the reloaded block back at the tail (re-keying free blocks in place from the
+  head, leaving them there: 77 of 600), and claims the re-looked-up prefix, not batch formation's
+  cached list (that list, re-keyed blocks included: G01 timings exact but hit rate 0.6960 and KV
+  thrashing 0.6116, vs 0.6956 and 0.6144). G01 has 4 reloads that re-key the request's own cached blocks (73 blocks)
   and none that fails.
 * The stop rule checked block by block stays: listing the blocks to reload before popping any
   (G01 exact) cuts the failing head's reloads and runs the window 8.5 ms fast (lead 2: 120).
