@@ -93,10 +93,12 @@ Known departures (first divergences):
   then misses request 114); the next is request 115 (BLIS computes from block 32, here from 22:
   BLIS takes 10 blocks fewer after 110, as many as the blocks not its own that 110's reload of
   37 then takes besides its 27 own). Not found: what takes them. 108 is the first reload that
-  re-keys only part of a request's own cached blocks (17 of
-  47; the prefix re-found is 30); taking 17 more blocks there (the blocks its shifted positions
-  lack) leaves 110 221 µs short (from block 33); fresh blocks from the re-found prefix (17 more,
-  real keys) break 109; a warm load holding all 64 blocks of the offload run (not 27) breaks 101.
+  re-keys only part of a request's own cached blocks (17 of 47; the prefix re-found is 30);
+  taking 17 more blocks there (the blocks its shifted positions lack) leaves 110 221 µs short
+  (from block 33); fresh blocks from the re-found prefix (17 more, real keys) break 109; a warm
+  load holding all 64 blocks of the offload run (not 27) breaks 101; reloaded blocks put at the
+  free list's head break 60, a reload not stopping at a block the GPU holds breaks 77, one
+  skipping it changes nothing.
   The same window for request 101 without the hold opens at request 77's lookup (its reload
   re-keyed all 27 of its own blocks). (Before the mirror: request 84, deferred two steps by
   BLIS; before the hold: request 101.)

@@ -9,11 +9,12 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
   LRU stamp / key → slot map, reused) with vLLM's ref count per slot: -1 while a promotion read
   brings the block in, 0 evictable, > 0 pinned by writes to the secondary tiers.
 * After each step's execution (clock at the step's start), and again at the step's end when
-  requests completed in it (warm loads excepted): `poll` the stations (finished writes: key on the tier, CPU slot
-  unpinned; finished reads: slots evictable, the request ready); after execution then
-  each running request, in batch order, stores its prompt blocks past its last stored index, all
-  or nothing (vLLM prepare_store), evicting least recently used evictable slots; every fresh CPU
-  block is written to every tier; then, if anything was stored, all its blocks are touched.
+  requests completed in it (warm loads excepted): `poll` the stations (finished writes: key on
+  the tier, CPU slot unpinned; finished reads: slots evictable, the request ready); after
+  execution then each running request, in batch order, stores its prompt blocks past its last
+  stored index, all or nothing (vLLM prepare_store), evicting least recently used evictable
+  slots; every fresh CPU block is written to every tier; then, if anything was stored, all its
+  blocks are touched.
 * Batch formation, phase 2 (batch.py): a skip-scan over the wait queue; a request whose prefix
   continues (past its GPU prefix and CPU continuation) on a secondary tier has a read of that run
   submitted once, if the CPU tier has room for it (else refused: KV Thrashing Rate =
