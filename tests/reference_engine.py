@@ -479,6 +479,9 @@ class ReferenceEngine:
     def _after_execution(self) -> None:
         """Runs between a step's execution and its completions."""
 
+    def _after_completions(self, end: int, done: list) -> None:
+        """Runs after a step's completions (`done`: the ids that left), `end` = the step's end."""
+
     # -- one engine step (§2.4)
     def _step(self, now: int):
         if not self.running and not self.wait:
@@ -525,6 +528,7 @@ class ReferenceEngine:
             else:
                 keep.append(r)
         self.running = keep
+        self._after_completions(now + dt, done)
         if self.record_steps:
             self.steps.append(StepRecord(now, dt, log, st["admitted"], st["preempted"], done))
         if self.running or self.wait:

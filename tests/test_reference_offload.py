@@ -76,17 +76,35 @@ def test_tiers_conserve_blocks_and_account_for_every_transfer(write_bandwidth):
     assert kv.c["evictions"] > 50 and kv.c["attempted"] > 10
     assert sum(1 for a in kv.admissions.values() if a[3]) == kv.c["promotions"] + kv.c["warm_loads"]
     if write_bandwidth < 2:
-        # nothing comes back from CPU: promotions are refused, and the 12-block legacy mirror
-        # thrashes (cyclic LRU over the running requests' prompt blocks)
-        assert kv.c["refused"] > 10 and kv.c["store_skips"] > 100 and kv.c["cpu_reloads"] == 0
+        # promotions are refused, and the 12-block legacy mirror thrashes (cyclic LRU over the
+        # running requests' prompt blocks): blocks reload only after a promotion brought them
+        assert kv.c["refused"] > 10 and kv.c["store_skips"] > 100
+        assert kv.c["cpu_reloads"] <= kv.c["promotion_blocks"]
     else:
-        assert kv.c["refused"] == 0 and kv.c["cpu_reloads"] > 10 and kv.c["promotions"] > 10
+        # writes keep up: a refusal only when a burst of stores pins most of the 12 blocks at once
+        assert kv.c["refused"] <= 1 and kv.c["cpu_reloads"] > 10 and kv.c["promotions"] > 10
+
+
+def _admission_after_polls(steps):
+    """When a request waiting for a transfer that finishes at `finish` is admitted: the stations
+    are polled after each step's execution (clock at the step's start) and again at the end of a
+    step in which requests completed; either poll of step k admits at step k + 1. The returned
+    function gives (admission time, whether the step-start polls alone would admit later)."""
+    starts = [s.start_us for s in steps]
+    polls = [(s.start_us, k + 1) for k, s in enumerate(steps)] + \
+        [(s.start_us + s.step_time_us, k + 1) for k, s in enumerate(steps) if s.completed]
+
+    def admitted(finish):
+        k = min(i for t, i in polls if t >= finish)
+        return starts[k], k < bisect.bisect_left(starts, finish) + 1
+    return admitted
 
 
 def test_warm_hits_wait_two_steps_and_mirror_hits_reload_at_once():
     """With a 60-block CPU tier the legacy mirror holds prefixes: a request whose prefix continues
     in it reloads at once (not deferred); one whose continuation only the offload tier holds is
-    deferred for an async load and admitted exactly two steps later (G03 request 84)."""
+    deferred for an async load and admitted exactly two steps later (G03 request 84): warm loads
+    are reported at the next step's poll, not at the end-of-step polls of completions."""
     reqs, cfg, oc = _scenario()
     oc = dataclasses.replace(oc, cpu_bytes_to_use=60 * BLOCK_BYTES)
     held_seen = []
@@ -109,23 +127,28 @@ def test_warm_hits_wait_two_steps_and_mirror_hits_reload_at_once():
     for t0, rid in kv.warm_log:
         assert kv.admissions[rid][0] == starts[starts.index(t0) + 2], rid
         assert kv.admissions[rid][2] > 0 and kv.admissions[rid][3]   # admitted with the CPU blocks reloaded
+    assert any(res.steps[starts.index(t0)].completed for t0, _ in kv.warm_log)   # a completion poll passed over
     sync = [a for a in kv.admissions.values() if a[2] > 0 and not a[3]]
     assert len(sync) > 10
 
 
 def test_a_deferred_request_waits_whole_steps_for_its_read():
-    """A promoted request is admitted at the step after the first step boundary at or past its
-    read's finish (G03: a 64-block read of 19.3 ms against ~8.5 ms steps defers 4 steps), with
-    the promoted prefix as hits."""
+    """A promoted request is admitted at the step after the first poll at or past its read's
+    finish: a step-start poll (G03: a 64-block read of 19.3 ms against ~8.5 ms steps defers 4
+    steps) or the poll at the end of a step in which requests completed (G03 request 114: 3
+    steps); with the promoted prefix as hits."""
     reqs, cfg, oc = _scenario()
     res, kv = simulate_offload(reqs, cfg, toy_latency(), oc)
-    starts = [s.start_us for s in res.steps]
+    admitted = _admission_after_polls(res.steps)
     assert len(kv.log) > 10
+    early = 0
     for t0, rid, blocks, _, finish in kv.log:
-        seen = starts[bisect.bisect_left(starts, finish)]
-        admitted_at = starts[starts.index(seen) + 1]
-        assert kv.admissions[rid][0] == admitted_at, rid
-        assert kv.admissions[rid][0] - t0 >= 2 * 1000   # at least two whole steps
+        at, by_completion = admitted(finish)
+        assert kv.admissions[rid][0] == at, rid
+        # ~1 ms steps, reads of ~400 µs: one step when the read ends inside a step with completions
+        assert kv.admissions[rid][0] - t0 >= (1 if by_completion else 2) * 1000
+        early += by_completion
+    assert 0 < early < len(kv.log)   # both kinds of poll admit some
     # the promoted blocks come back as hits (without the fs tier they are recomputed, as misses)
     hits_with = res.counters["kv_hits"]
     reqs2, cfg2, _ = _scenario()

@@ -8,11 +8,13 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
 * CPU staging: `capacity` = ⌊cpu_bytes_to_use / per_block_bytes⌋ slots (cpu_tier.py's slot key /
   LRU stamp / key → slot map, reused) with vLLM's ref count per slot: -1 while a promotion read
   brings the block in, 0 evictable, > 0 pinned by writes to the secondary tiers.
-* After each step's execution (clock at the step's start): `poll` the stations (finished writes:
-  key on the tier, CPU slot unpinned; finished reads: slots evictable, the request ready), then
-  each running request, in batch order, stores its prompt blocks past its last stored index, all
-  or nothing (vLLM prepare_store), evicting least recently used evictable slots; every fresh CPU
-  block is written to every tier; then, if anything was stored, all its blocks are touched.
+* After each step's execution (clock at the step's start), and again at the step's end when
+  requests completed in it (warm loads excepted): `poll` the stations (finished writes: key on
+  the tier, CPU slot unpinned; finished reads: slots evictable, the request ready); after
+  execution then each running request, in batch order, stores its prompt blocks past its last
+  stored index, all or nothing (vLLM prepare_store), evicting least recently used evictable
+  slots; every fresh CPU block is written to every tier; then, if anything was stored, all its
+  blocks are touched.
 * Batch formation, phase 2 (batch.py): a skip-scan over the wait queue; a request whose prefix
   continues (past its GPU prefix and CPU continuation) on a secondary tier has a read of that run
   submitted once, if the CPU tier has room for it (else refused: KV Thrashing Rate =
@@ -264,11 +266,12 @@ def submit(off: OffloadState, dims: EngineDims, params: OffloadParams, now, tier
     ), job, overflow
 
 
-def poll(state, dims: EngineDims, active):
-    """Completions of the jobs finished by now: a written key is on its tier and its CPU slot
-    unpinned; a promotion's slots become evictable and its request ready."""
+def poll(state, dims: EngineDims, active, now=None, warm=True):
+    """Completions of the jobs finished by `now` (default the clock): a written key is on its tier
+    and its CPU slot unpinned; a promotion's slots become evictable and its request ready; a warm
+    load's request ready too (unless `warm` is False)."""
     off = state.off
-    done = active & (off.job_finish <= state.now)
+    done = active & (off.job_finish <= (state.now if now is None else now)) & (warm | (off.job_tier >= 0))
     writes = done & off.job_write
     reads = done & ~off.job_write
     key = jnp.clip(off.job_item, 0, dims.cpu_keys - 1)
@@ -445,6 +448,14 @@ def after_execution(state, dims: EngineDims, params, req, active):
     state = masked_while(lambda c, ops: c[1] < ops[-1], body, (state, jnp.int32(0)),
                          (params, req, order, r, upto, jnp.sum(new).astype(jnp.int32)))[0]
     return _mirror(state, dims, params, req, active)
+
+
+def after_completions(state, dims: EngineDims, left, end):
+    """A step in which requests complete (`left`) polls the stations again at its end (BLIS's
+    request-left path; G03 request 114's read, done inside the step in which request 102
+    completes, is admitted a step earlier than reads done inside steps without completions).
+    Warm loads keep to the next step's poll."""
+    return poll(state, dims, left, end, warm=False)
 
 
 def _mirror(state, dims: EngineDims, params, req, active):
