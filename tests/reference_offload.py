@@ -89,8 +89,8 @@ Known departures (first divergences):
   [0.843, 1.052], [0.780, 0.934], [1.341, 1.509], [1.127, 1.501], [0.892, 1.067], [0.714, 0.891],
   [0.722, 0.901], [0.946, 1.130], [0.555, 0.739], [1.115, 1.273], [0.793, 0.951], [0.791, 0.947],
   [1.073, 1.223]; with the 13 forced, requests 0-84 are exact (86 of 600), request 90's
-  TTFT is 92 µs off whatever its factor (a step-time difference: its group's read and request
-  91's read of the same blocks, new 0, look like one joined read in BLIS). So apart from the
+  TTFT is 92 µs long whatever its factor (a step-time difference, not its read; request 91's
+  read, 15 ms later, is of the same 64 blocks, none new: not analysed). So apart from the
   draws the model holds to request 84. No constant shift of the stream fits more than 4 of
   the 13 windows in a row (-37 fits 3, -1151 fits 5); the windows allow a slowly growing shift
   (-37, -37, -37, -36, -35, -31, -29, ...), but so do many paths at 8-34 % density per window.
