@@ -45,13 +45,13 @@ Model (each point needed by some request of G03/G04 that it then matched):
   end of the CPU continuation, every block on the tier, those also on CPU included) is submitted
   once -- when the CPU tier has room for its blocks not yet on CPU among its free and evictable
   slots; else it is refused (KV Thrashing Rate = refused / attempted) and the prefix recomputed
-  -- and the request deferred. When every block of that run is already coming in by another
-  request's read (ref -1), no read is submitted (no draw, not an attempt): the request joins it,
-  ready at the poll that reports those blocks (G04 requests 90 and 91, same group, 15 ms apart:
-  with the 14 reads before forced into their windows, both TTFTs exact with the join; with a
-  second read 91 is admitted a step early and 90's TTFT is 92 µs long). It is ready at the first poll at or past the read's finish and
+  -- and the request deferred. It is ready at the first poll at or past the read's finish and
   admitted at the next step's batch formation (G03 request 48: read of 19.3 ms over ~8.5 ms
-  steps, admitted 4 steps after submission).
+  steps, admitted 4 steps after submission). When every block of that run is already coming in
+  by another request's read (ref -1), no read is submitted (no draw, not an attempt): the
+  request joins it, ready at the poll that reports those blocks (G04 requests 90 and 91, same
+  group, 15 ms apart: with the 14 reads before forced into their windows, both TTFTs exact with
+  the join; with a second read 91 is admitted a step early and 90's TTFT is 92 µs long).
 * Legacy mirror (BLIS's `--kv-cpu-blocks` tier, reference_tiered.TieredKVCache.mirror, kept beside
   the offload tier, same capacity ⌊cpu_bytes_to_use / per_block_bytes⌋): after each step the full
   prompt blocks of every running request, by their GPU blocks' keys, are stored (LRU eviction) or
