@@ -99,31 +99,30 @@ Known departures (first divergences):
   the 13 windows in a row (-37 fits 3, -1151 fits 5); the windows allow a slowly growing shift
   (-37, -37, -37, -36, -35, -31, -29, ...), but so do many paths at 8-34 % density per window.
   (Shifting the whole stream by -37 gives 42 exact, hit rate 0.6684.)
-  Every draw before request 35's read is a write (35 store calls, one per request, whole
-  prompts; 396 of the 2184 writes are of blocks the fs tier holds; no store skipped; no write
-  queued at any of the 13 reads but those of requests 56 (32 queued) and 68 (81 submitted at
-  the same tick, after the read)). Measured against the windows, none fits (reads in window in a row /
-  of 13, the shift each gives): vLLM's reverse touch (0/2, -12 at every read), no touch (0/2),
-  touch on every store or of the CPU continuation at lookup, promoted blocks moved to MRU at
-  completion, fresh blocks inserted in reverse (all 2/4, no shift), writes only of blocks not
-  on the tier (0/3, -396 at the first), promoted blocks written back at completion (1/2),
-  the GPU-cached prefix not offered for storing (0/3), a partial last prompt block stored
-  (0/2, +41), one block fewer (0/1), one more (0/2), one write per store call (0/2), write
-  draws when a server takes the job, ties either way (2/4), reads drawn before the writes of
-  the previous step (2/5: fits request 59's read, shifted by -22, not 50's), a write station
-  bounded to Q jobs with the excess dropped (Q 4-98: at most 2/5), CPU tier capacity 448-640
-  blocks with the mirror kept at 512 (constant shifts, at most 2 in a row, 6 in all; promotion
-  attempts stay 163-166 where BLIS's KV Thrashing Rate 0.0055 implies ~181 attempts with one refused), a
-  factor exp(Nσ) (2/4) or 1/(1-Nσ) (3/5). Timing alternatives measured as full runs: the read
-  timed from a fixed delay of 5.5-7 ms after submission (G04 44 exact, lead 42, but G03 falls
-  to 46, lead 38: G03's unjittered reads fix the submission time), submission and poll both at
-  the step's end (identical to this model on both cases), either alone (G03 lead 30). A
-  uniform scale of the read time fits reads 35-50 only for 1.055-1.187, 56 needs >= 1.26 (the
-  only read with writes queued) and 59 needs 0.61-0.76: no service-time change alone fits.
-  The jitter stream was checked: `kv-offload` FNV-1a hash 5706539092703791860 as blis-rng
-  §2.1, seed 61 XOR it, Norm() against go-math-rand vectors (tests/test_go_rand.py). No cap at
-  the station's maximum (blis-rng §10.3) is applied here; a constant cap cannot fit (reads of
-  72 and 85 need service <= 35.5 ms and >= 38.1 ms).
+  Every draw before request 35's read is a write (35 store calls, one per request, whole prompts;
+  396 of the 2184 writes are of blocks the fs tier holds; no store skipped; no write queued at any
+  of the 13 reads but those of requests 56 (32 queued) and 68 (81 submitted at the same tick,
+  after the read)). Measured against the windows, none fits (reads in window in a row / of 13, the
+  shift each gives): vLLM's reverse touch (0/2, -12 at every read), no touch (0/2), touch on every
+  store or of the CPU continuation at lookup, promoted blocks moved to MRU at completion, fresh
+  blocks inserted in reverse (all 2/4, no shift), writes only of blocks not on the tier (0/3, -396
+  at the first), promoted blocks written back at completion (1/2), the GPU-cached prefix not
+  offered for storing (0/3), a partial last prompt block stored (0/2, +41), one block fewer (0/1),
+  one more (0/2), one write per store call (0/2), write draws when a server takes the job, ties
+  either way (2/4), reads drawn before the writes of the previous step (2/5: fits request 59's
+  read, shifted by -22, not 50's), a write station bounded to Q jobs with the excess dropped (Q
+  4-98: at most 2/5), CPU tier capacity 448-640 blocks with the mirror kept at 512 (constant
+  shifts, at most 2 in a row, 6 in all; promotion attempts stay 163-166 where BLIS's KV Thrashing
+  Rate 0.0055 implies ~181 attempts with one refused), a factor exp(Nσ) (2/4) or 1/(1-Nσ) (3/5).
+  Timing alternatives measured as full runs: the read timed from a fixed delay of 5.5-7 ms after
+  submission (G04 44 exact, lead 42, but G03 falls to 46, lead 38: G03's unjittered reads fix the
+  submission time), submission and poll both at the step's end (identical to this model on both
+  cases), either alone (G03 lead 30). A uniform scale of the read time fits reads 35-50 only for
+  1.055-1.187, 56 needs >= 1.26 (the only read with writes queued) and 59 needs 0.61-0.76: no
+  service-time change alone fits. The jitter stream was checked: `kv-offload` FNV-1a hash
+  5706539092703791860 as blis-rng §2.1, seed 61 XOR it, Norm() against go-math-rand vectors
+  (tests/test_go_rand.py). No cap at the station's maximum (blis-rng §10.3) is applied here; a
+  constant cap cannot fit (reads of 72 and 85 need service <= 35.5 ms and >= 38.1 ms).
 * G03's orientation run with the CPU tier alone (case.json key_outcomes, aggregates only): BLIS
   hit rate 0.5502, TTFT mean 29.08 ms; this model (no secondary tier) 0.5701 and 29.56 ms (before
   the mirror 0.5673, 28.77 ms).
