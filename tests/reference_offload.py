@@ -113,7 +113,9 @@ Known departures (first divergences):
   read, shifted by -22, not 50's), a write station bounded to Q jobs with the excess dropped (Q
   4-98: at most 2/5), CPU tier capacity 448-640 blocks with the mirror kept at 512 (constant
   shifts, at most 2 in a row, 6 in all; promotion attempts stay 163-166 where BLIS's KV Thrashing
-  Rate 0.0055 implies ~181 attempts with one refused), a factor exp(Nσ) (2/4) or 1/(1-Nσ) (3/5).
+  Rate 0.0055 implies ~181 attempts with one refused), a factor exp(Nσ) (2/4) or 1/(1-Nσ) (3/5),
+  vLLM's next stored index set past the loaded blocks after an async load (the GPU-cached prefix
+  not stored: 1/4, -16 at request 37's read; full run 31 exact) or past the whole prompt (1/2).
   Timing alternatives measured as full runs: the read timed from a fixed delay of 5.5-7 ms after
   submission (G04 44 exact, lead 42, but G03 falls to 46, lead 38: G03's unjittered reads fix the
   submission time), submission and poll both at the step's end (identical to this model on both
