@@ -164,7 +164,8 @@ OFFLOAD_GAPS = {
             "108's lookup); cache hit rate 0.6834 vs 0.6856, TTFT mean +4.8 %"),
     "G04": ("the offload chain's jitter draws (issue #24): 39 of 600 requests exact; request 50's promotion read "
             "finishes a step early (jitter factor 1.27 drawn, BLIS's needs 1.34-1.51: a different count of "
-            "kv-offload draws before it); KV Thrashing Rate 0 vs 0.0055, TTFT mean +3.9 %"),
+            "kv-offload draws before it; no draw-count mechanism found, see reference_offload.py's read windows); "
+            "KV Thrashing Rate 0 vs 0.0055, TTFT mean +4.7 %"),
 }
 
 

@@ -74,7 +74,7 @@ def test_tiers_conserve_blocks_and_account_for_every_transfer(write_bandwidth):
     assert res.counters["completed"] == len(reqs) and eng.checks > 100
     # the run exercises every path: CPU evictions, synchronous reloads, fs promotions and deferrals
     assert kv.c["evictions"] > 50 and kv.c["attempted"] > 10
-    assert sum(1 for a in kv.admissions.values() if a[3]) == kv.c["promotions"] + kv.c["warm_loads"]
+    assert sum(1 for a in kv.admissions.values() if a[3]) == kv.c["promotions"] + kv.c["warm_loads"] + kv.c["joined"]
     if write_bandwidth < 2:
         # promotions are refused, and the 12-block legacy mirror thrashes (cyclic LRU over the
         # running requests' prompt blocks): blocks reload only after a promotion brought them

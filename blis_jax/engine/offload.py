@@ -18,9 +18,11 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
 * Batch formation, phase 2 (batch.py): a skip-scan over the wait queue; a request whose prefix
   continues (past its GPU prefix and CPU continuation) on a secondary tier has a read of that run
   submitted once, if the CPU tier has room for it (else refused: KV Thrashing Rate =
-  refused / attempted), and is deferred until a poll sees the read done. Admission then sizes the
-  chunk from the GPU-cached prefix and reloads the CPU continuation as the legacy tier does
-  (cpu_tier.reload), free of step time.
+  refused / attempted), and is deferred until a poll sees the read done; when every block of the
+  run is already coming in by another request's read, no read is submitted (no draw, no attempt):
+  the request joins it (a station-less job, tier -2, finishing with those reads). Admission then
+  sizes the chunk from the GPU-cached prefix and reloads the CPU continuation as the legacy tier
+  does (cpu_tier.reload), free of step time.
 * The legacy mirror (BLIS's `--kv-cpu-blocks` store, kept beside the chain with the staging tier's
   capacity, own slots `mir_*`): after each step the running requests' full prompt blocks, by their
   GPU blocks' keys, are stored or touched (LRU, cpu_tier.lru_pass). Synchronous reloads come from
@@ -532,6 +534,26 @@ def _warm_load(state, dims: EngineDims, params, r, n_hold, active):
                                result=state.result | jnp.where(overflow, results.OFFLOAD_FULL, 0).astype(jnp.int32)), go
 
 
+def _join(state, dims: EngineDims, r, finish, active):
+    """Defer r on blocks another request's read is bringing in (no read, no draw, no attempt): a
+    job of no station (tier -2) finishing with the last of those reads, so that the poll reporting
+    them reports r ready. Returns (state, joined)."""
+    off = state.off
+    job = jnp.argmax(off.job_finish == INF_TIME)
+    overflow = active & (off.job_finish[job] != INF_TIME)
+    go = active & ~overflow
+    at = jnp.where(go, job, dims.offload_jobs)
+    off = dataclasses.replace(
+        off,
+        job_finish=off.job_finish.at[at].set(finish, mode="drop"),
+        job_tier=off.job_tier.at[at].set(-2, mode="drop"),
+        job_write=off.job_write.at[at].set(False, mode="drop"),
+        job_item=off.job_item.at[at].set(r.astype(jnp.int64), mode="drop"),
+        promo=off.promo.at[jnp.where(go, r, dims.num_requests)].set(PROMOTING, mode="drop"))
+    return dataclasses.replace(state, off=off,
+                               result=state.result | jnp.where(overflow, results.OFFLOAD_FULL, 0).astype(jnp.int32)), go
+
+
 def before_admission(state, dims: EngineDims, params, req, r, n_hit, on_gpu, active):
     """The skip-scan's look at waiting request r (GPU prefix `n_hit` blocks, `on_gpu` the prompt
     blocks the GPU holds): deferred while its async load is in flight; deferred as a warm load when
@@ -557,8 +579,15 @@ def before_admission(state, dims: EngineDims, params, req, r, n_hit, on_gpu, act
                       for t in range(dims.offload_tiers)]) if dims.offload_tiers else jnp.zeros(1, jnp.int64)
     tier = jnp.argmax(runs).astype(jnp.int32)   # the longest run, the first tier on a tie
     want = active & ~deferred & (p == NO_PROMOTION) & (runs[tier] > 0)
-    state, promoted = _promote(state, dims, params.off, r, keys, j, tier, far_start, runs[tier], want)
-    skipped = deferred | promoted
+    # every block of the run already coming in by another read: r joins it (G04 requests 90, 91)
+    run = (j >= far_start) & (j < far_start + runs[tier])
+    slot = state.cpu_key_slot[keys]
+    ref_job = off.slot_job[jnp.maximum(slot, 0)]
+    pending = (slot >= 0) & (off.slot_ref[jnp.maximum(slot, 0)] == -1) & (ref_job >= 0)
+    finish = jnp.max(jnp.where(run & pending, off.job_finish[jnp.maximum(ref_job, 0)], 0))
+    state, joined = _join(state, dims, r, finish, want & jnp.all(pending | ~run))
+    state, promoted = _promote(state, dims, params.off, r, keys, j, tier, far_start, runs[tier], want & ~joined)
+    skipped = deferred | joined | promoted
     proceeds = active & ~skipped
     off = state.off
     return dataclasses.replace(state, off=dataclasses.replace(
