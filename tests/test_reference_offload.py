@@ -212,14 +212,16 @@ def test_offload_reference_against_blis(case_id):
     exact = [(c.results[r.request_id]["ttft_us"], c.results[r.request_id]["e2e_us"])
              == (res.requests[r.request_id]["ttft_us"], res.requests[r.request_id]["e2e_us"]) for r in c.requests]
     leading = exact.index(False) if False in exact else len(exact)
-    print(f"{case_id}: {sum(exact)}/{len(exact)} exact, the first {leading} in a row")
+    n = len(c.requests)
+    ttft = sum(res.requests[r.request_id]["ttft_us"] for r in c.requests) / n / 1000
+    e2e = sum(res.requests[r.request_id]["e2e_us"] for r in c.requests) / n / 1000
+    print(f"{case_id}: {sum(exact)}/{len(exact)} exact, the first {leading} in a row; hit rate "
+          f"{res.counters['cache_hit_rate']:.4f}, TTFT mean {ttft:.2f} ms, E2E mean {e2e:.2f} ms, "
+          f"promotions refused {kv.c['refused']} of {kv.c['attempted']}")
     assert leading >= lead
     m = c.metrics
     assert res.counters["completed"] == m["completed_requests"]
     assert res.counters["total_input_tokens"] == m["total_input_tokens"]
-    n = len(c.requests)
-    ttft = sum(res.requests[r.request_id]["ttft_us"] for r in c.requests) / n / 1000
-    e2e = sum(res.requests[r.request_id]["e2e_us"] for r in c.requests) / n / 1000
     assert abs(res.counters["cache_hit_rate"] / m["cache_hit_rate"] - 1) <= hit_tol
     assert abs(ttft / m["ttft_mean_ms"] - 1) <= ttft_tol
     assert abs(e2e / m["e2e_mean_ms"] - 1) <= e2e_tol
