@@ -194,7 +194,12 @@ BLIS's) and has its first token at 5.139 s; BLIS's last admission of 42 is at 5.
 first token 5.5155 s, so BLIS likely preempts it in its prefill (steps up to ~5.21 s match: BLIS
 would be short of a few free blocks there, where nothing is held here; 44 holds 58 from 5.220 s).
 Here 43 alone is preempted at 5.25 s (re-admitted at 5.494 s, BLIS 5.4971) and 22 ends 3.3 ms
-early (5.5056 s).
+early (5.5056 s). Every step to 5.21 s is BLIS's to the microsecond (E2Es +324 us throughout). Forcing
+43 to hold its claim at one of its failed attempts preempts 42 as BLIS does, but at 5.267 s (claim
+89, 1 block left) 41 is preempted too, and at 5.283, 5.330 or 5.362 s 42 and 43 are re-admitted
+together 6-8 ms before BLIS's 5.4971 s (the hold stops 43's reload churn; BLIS's steps there are
+slower than these, 22's E2E says by 3.3 ms even without a hold): so BLIS likely has both 42 and 43
+waiting and reloading from ~5.25 s, not a holder.
 """
 
 from __future__ import annotations
