@@ -152,8 +152,9 @@ CPU_TIER_GAPS = {
             "reload keeps the claimed blocks while it waits (8 of 500 requests exact, 96 preemptions vs 189; first "
             "divergence at 3.777 s, the first allocation that fails after a reload (request 28); the eager oracle's "
             "no-rollback mode, tests/reference_tiered.py, is not BLIS's yet either: 8 of 500, 214 preemptions; its "
-            "docstring logs ~40 failure-path variants, none past 8 of 500: the closest has 125 TTFTs within 2 ms, "
-            "and a hold forced at 4.137 s fits BLIS's 4.13-4.22 s window to 0.3 ms)"),
+            "docstring logs ~45 failure-path variants, none past 8 of 500; its partial_hold mode fits BLIS to "
+            "0.5 ms up to 5.45 s (all 42 TTFTs, 19 E2Es; 129 preemptions, 135 TTFTs within 2 ms) and next "
+            "differs at request 42: BLIS re-admits it at 5.497 s, the oracle keeps it running from 5.100 s)"),
 }
 
 # What the multi-tier offload chain still lacks per reference case (issue #24; reference_offload.py's docstring).

@@ -161,6 +161,45 @@ Session g02, second search (no mode adopted; 8 of 500 exact in every variant bel
   the forced hold above. A retry that holds its reloaded blocks whenever they fit (223) or
   when they are the whole free list (187) also fires at 3.79 s (28: 1 of 1 free) or 3.91 s (27:
   24 of 24) and preempts 24 and 25.
+
+Session g02b: `partial_hold=True` (a fit, not BLIS's code; G01 stays 600/600, it never takes this
+path) is BLIS's G02 to 0.5 ms up to 5.45 s: all 42 requests whose first token BLIS records before
+5.45 s have their TTFT within 0.5 ms, all 19 that complete before then their E2E (default: 26 and
+8; no_rollback: 24 and 8); tests/test_cpu_tier.py checks it. Whole run: 8 of 500 exact, 129
+preemptions / hit rate 0.6591 / TTFT mean 424.0 / E2E mean 2848.9 / TTFT 2 ms 135 (the most of any
+variant) / TTFT 2 ms and E2E 5 ms 72. Rule (lead 2 + cfp + retry reloads, plus one hold):
+* The fit check counts the claim's free blocks plus the chunk's tail from the prefix end.
+* A failed first allocation holds its claim when the claim, all its blocks counted, fits the free
+  count (lead 2), or when its claim has no free block (only blocks in use by running requests)
+  after a reload that re-keyed the whole free list, all of it the request's own cached blocks: a
+  "shared holder".
+* A holder's retry reloads past its held blocks and claims the rest of the prefix with the tail
+  when both fit; a shared holder whose retry's reloads (the extra prefix's free blocks) are the
+  whole free list holds them too.
+Found by dumping 27's attempts 3.84-4.14 s: they alternate between cached 64 (a running request's
+decode took the free-list head, its own reload of block 64, since its last attempt; it reloads
+64-73 into the free list, claim 74 of which 10 free) and cached 74 (no block taken since: its
+reload from 74 re-keys its own 64-73, claim = the 64 shared blocks). 4.121 s is the first attempt
+of the second kind whose reloads are the whole free list (3.914 s: 7 of 25 free, 3.960 s: 10 of 24,
+8 own, 4.042 s: 15 of 17): 27 holds the 64 shared blocks there (no free block taken), its retry at
+4.137 s reloads 64-73, the whole free list, and holds them: the forced hold above, now by rule.
+Variants: the retry holding its extra blocks when they fit the free count (not only equal) 129 /
+0.6611 / 427.2 / 2850.2 / 119, 66; the shared hold without "all of it own" 165 / 0.6695 / 499.1 /
+2932.2 / 91, 37 (same window); without the shared holder's retry hold 117, 26 not preempted (13's E2E
++1.4 ms); plus the tail's fresh blocks popped until the free list runs out 178 (28 holds 78 at
+3.777 s, the window runs 2.4-2.9 ms fast from 4.19 s); a holder's blocks leaked on its admission
+(shared holders only) same window, TTFT mean 2284 ms.
+Next divergence: request 42. Here it is admitted at 5.0995 s with 40 and 41 (their TTFTs are
+BLIS's) and has its first token at 5.139 s; BLIS's last admission of 42 is at 5.4971 s, with 43,
+first token 5.5155 s, so BLIS likely preempts it in its prefill (steps up to ~5.21 s match: BLIS
+would be short of a few free blocks there, where nothing is held here; 44 holds 58 from 5.220 s).
+Here 43 alone is preempted at 5.25 s (re-admitted at 5.494 s, BLIS 5.4971) and 22 ends 3.3 ms
+early (5.5056 s). Every step to 5.21 s is BLIS's to the microsecond (E2Es +324 us throughout). Forcing
+43 to hold its claim at one of its failed attempts preempts 42 as BLIS does, but at 5.267 s (claim
+89, 1 block left) 41 is preempted too, and at 5.283, 5.330 or 5.362 s 42 and 43 are re-admitted
+together 6-8 ms before BLIS's 5.4971 s (the hold stops 43's reload churn; BLIS's steps there are
+slower than these, 22's E2E says by 3.3 ms even without a hold): so BLIS likely has both 42 and 43
+waiting and reloading from ~5.25 s, not a holder.
 """
 
 from __future__ import annotations
@@ -199,10 +238,15 @@ def reload_from_cpu(kv: KVCache, req, cached, on_cpu) -> tuple[list, int]:
 
 
 class TieredKVCache(KVCache):
-    def __init__(self, total_blocks: int, block_size: int, cpu_blocks: int, reload_us: int, no_rollback: bool = False):
+    def __init__(self, total_blocks: int, block_size: int, cpu_blocks: int, reload_us: int, no_rollback: bool = False,
+                 partial_hold: bool = False):
         super().__init__(total_blocks, block_size)
+        if no_rollback and partial_hold:
+            raise ValueError("no_rollback and partial_hold are two failure paths: set at most one")
         self.no_rollback = no_rollback
+        self.partial_hold = partial_hold
         self.holders: set = set()    # waiting requests holding the prefix of a failed allocation
+        self.shared_holders: set = set()   # partial_hold: holders of only blocks in use by running requests
         self.cpu_misses = self.reload_failures = 0
         self.cpu_blocks = cpu_blocks
         self.reload_us = reload_us
@@ -229,6 +273,8 @@ class TieredKVCache(KVCache):
                 seen.add(h)
 
     def allocate(self, req, start, end, cached=()):
+        if self.partial_hold:
+            return self._allocate_partial_hold(req, start, end, cached)
         rid = req.request_id
         if rid in self.holders and end > start:
             # a retry: the blocks it holds are the start of its cached prefix; the chunk's blocks
@@ -277,16 +323,102 @@ class TieredKVCache(KVCache):
         self._claim(blocks, claim)
         return True if end <= s else super().allocate(req, s, end, ())
 
+    # -- partial_hold (G02 candidate, see the module docstring) ----------------------------------
+    def _reload(self, req, cached) -> tuple[int, int]:
+        keys, lost = reload_from_cpu(self, req, cached, lambda key: key in self.cpu)
+        self.reloads += len(keys)
+        self.pending_us += len(keys) * self.reload_us
+        return len(keys), lost
+
+    def _tail_need(self, end, prefix_len, new_free) -> int:
+        """Free blocks the fit check asks for: the claim's free blocks plus the chunk's tail counted
+        from the prefix end (also when the reload re-keyed own blocks and the prefix ends before the
+        chunk's start)."""
+        s = prefix_len * self.bs
+        return new_free + (-(-(end - s) // self.bs) if end > s else 0)
+
+    def _commit(self, req, blocks, claim, start, end, prefix_len) -> bool:
+        """Claims `claim` after `blocks` and allocates the chunk's tail past the prefix (as the
+        default path does once the check passed)."""
+        bs, rid = self.bs, req.request_id
+        s = max(start, prefix_len * bs)
+        self._claim(blocks, claim)
+        self.holders.discard(rid)
+        self.shared_holders.discard(rid)
+        self.req_offset[rid] = (0 if end % bs == 0 else -1) if end <= s else s - prefix_len * bs
+        return True if end <= s else KVCache.allocate(self, req, s, end, ())
+
+    def _allocate_partial_hold(self, req, start, end, cached):
+        rid, bs = req.request_id, self.bs
+        held = self.req_blocks.get(rid)
+        if rid in self.holders and end > start:
+            # a retry reloads past its held blocks; it claims the rest of the prefix only with the tail
+            reloaded, _ = self._reload(req, cached)
+            prefix = self.cached_blocks(req)
+            if prefix[:len(held)] == held and len(prefix) > len(held):
+                extra = prefix[len(held):min(len(prefix), -(-end // bs))]
+                extra_free = sum(1 for b in extra if self.ref[b] == 0)
+                if self._tail_need(end, len(prefix), extra_free) <= len(self.free):
+                    return self._commit(req, held, extra, start, end, len(prefix))
+                self.cpu_misses += 1
+                if rid in self.shared_holders and extra_free == len(self.free):
+                    self._claim(held, extra)    # its reloads were the whole free list: held too
+                return False
+            if prefix[:len(held)] == held:    # nothing past the held blocks: allocate after them
+                start = max(start, len(held) * bs)
+            gap = start - len(held) * bs      # as the no_rollback retry
+            if gap:
+                self.req_offset[rid] = gap
+            ok = KVCache.allocate(self, req, start, end, ())
+            if ok:
+                self.holders.discard(rid)
+                self.shared_holders.discard(rid)
+            self.cpu_misses += not ok
+            return ok
+        if held is not None or end <= start:
+            return KVCache.allocate(self, req, start, end, cached)
+        reloaded, lost = self._reload(req, cached)
+        if not reloaded:
+            ok = KVCache.allocate(self, req, start, end, cached)
+            self.cpu_misses += not ok
+            return ok
+        prefix = self.cached_blocks(req)
+        claim = prefix[:min(len(prefix), -(-end // bs))]
+        claim_free = sum(1 for b in claim if self.ref[b] == 0)
+        if self._tail_need(end, len(prefix), claim_free) <= len(self.free):
+            self.hits += lost      # the request's cached blocks the reload re-keyed count as hits all the same
+            return self._commit(req, self.req_blocks.setdefault(rid, []), claim, start, end, len(prefix))
+        self.reload_failures += 1
+        # held: a claim that fits the free count on its own (all its blocks counted), or one of only
+        # blocks in use by running requests after a reload that re-keyed the whole free list, all of
+        # it the request's own cached blocks
+        fits = len(claim) <= len(self.free)
+        shared = not fits and claim_free == 0 and lost == reloaded == len(self.free)
+        if not (fits or shared):
+            return False
+        self.hits += lost          # counted as in the no_rollback path, also with nothing to hold
+        if not claim:
+            return False
+        blocks = self.req_blocks[rid] = []
+        self.req_offset[rid] = max(start, len(prefix) * bs) - len(prefix) * bs
+        self._claim(blocks, claim)
+        self.holders.add(rid)
+        if shared:
+            self.shared_holders.add(rid)
+        return False
+
     def release(self, req):
         self.holders.discard(req.request_id)
+        self.shared_holders.discard(req.request_id)
         super().release(req)
 
 
 class TieredEngine(ReferenceEngine):
     def __init__(self, requests, cfg, lat, cpu_blocks: int, reload_us: int, record_steps: bool = True,
-                 no_rollback: bool = False):
+                 no_rollback: bool = False, partial_hold: bool = False):
         super().__init__(requests, cfg, lat, record_steps)
-        self.kv = TieredKVCache(cfg.total_kv_blocks, cfg.block_size, cpu_blocks, reload_us, no_rollback)
+        self.kv = TieredKVCache(cfg.total_kv_blocks, cfg.block_size, cpu_blocks, reload_us, no_rollback,
+                                partial_hold)
 
     # the reload time is added to the step; the CPU write-through runs between execution and
     # completions (blis-features §2.4)
@@ -303,6 +435,6 @@ def reload_time_us(block_size: int, bandwidth: float, base_latency: int) -> int:
 
 
 def simulate_tiered(requests, cfg, lat, cpu_blocks: int, reload_us: int, record_steps: bool = True,
-                    no_rollback: bool = False):
-    eng = TieredEngine(requests, cfg, lat, cpu_blocks, reload_us, record_steps, no_rollback)
+                    no_rollback: bool = False, partial_hold: bool = False):
+    eng = TieredEngine(requests, cfg, lat, cpu_blocks, reload_us, record_steps, no_rollback, partial_hold)
     return eng.run(), eng.kv
