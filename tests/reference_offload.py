@@ -18,6 +18,28 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
   1071.87 ms), KV Thrashing Rate 0 vs 0.0055 (BLIS refuses ~1 of
   ~180 promotions; this refuses none of 162; 4 requests join another's read). Before the joins:
   hit rate 0.6707, TTFT mean 44.66 ms, E2E mean 1071.98 ms, 164 attempts.
+  Attempt count (metric only, not applied): 0.0055 printed needs 1 refusal of 181 or 182 attempts
+  (1/180 prints 0.0056, 1/183 0.0055 too but 1/177 0.0056). This run's 162 reads + 4 joins + 15
+  admissions of a promoted request whose lookup still ends on the fs tier (some of its blocks left
+  the CPU tier or the GPU prefix shrank meanwhile, e.g. request 35: GPU prefix 18 at submission, 16
+  at admission, blocks 16-17 on fs only; 15 too when the mirror's blocks count as CPU) = 181 exactly, if BLIS counts an attempt at every
+  lookup that ends on a secondary tier (joins and the admission re-check included). G03 by the same
+  count: 108 + 1 + 17 (one more re-check is a warm load's) = 126, 0 refused (BLIS 0.0000: no
+  information). Other counts measured: re-polls of deferred requests while their read is in
+  flight (998 in G04), failed admissions after a load, warm loads, preemptions (0 each in G04):
+  none gives ~181. The one refusal is not found: every attempt finds >= 404 free or evictable CPU
+  slots for <= 64 blocks (at most 199 of the 512 are ever pinned after a step's stores), so BLIS
+  must pin or hold far more CPU blocks at some moment than this model, or refuse for another
+  reason (not a bound on reads in flight: at most 1 is, at 11 attempts).
+  The first re-check is request 35's (4.427 s), the only one before request 50's read; it must
+  not defer 35 (re-deferring each request once: 31 exact, 0-30; every time: 35 promoted 7 times,
+  31 exact) and must not draw (a read there, of the whole fs run or only of the 2 blocks not on
+  CPU, the request admitted at once, breaks request 37: 37 exact without): so if BLIS counts it,
+  it is BLIS's one refusal (a refused promotion is exactly this model's recompute), and the
+  extra attempts add no draw before request 50's read: they do not explain its shift. No
+  feature of this model's state singles out 35's re-check (2 of 48 blocks not on CPU, the whole
+  CPU tier evictable; the other 14: 1-32 blocks not on CPU, 448-512 slots free or evictable).
+  G03's re-checks all come after its first divergence (first: request 131), so G03 says nothing.
 
 Model (each point needed by some request of G03/G04 that it then matched):
 
