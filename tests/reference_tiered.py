@@ -223,6 +223,18 @@ are TTFT of 42 and 43, E2E of 22, 17, in ms vs BLIS; partial_hold: 42 -376, 43 -
   variant), window as above until 44's admission at 5.547 s breaks (+682 ms; 46 holds there).
   Earlier it cannot apply: 28 at 3.777 s would hold 78, not 77 (that case's chunk also starts
   past a re-keyed own block, tail 2 vs 1 free, as 44's: 43 vs 3; what differs is not found).
+* 44's hold at 5.2198 s also claiming the 3 blocks it reloaded (positions 61-63, past the gap its
+  reload made at 58-60; they were the 3 free blocks left): 43 -0.3, 17 -0.3, 44 -0.0, 22 -1.5,
+  18 -1.7, 42 still -376; whole run 144 / 0.6642 / 456.7 / 2884.3. As a rule (from 0 s) it breaks
+  the 3.78 s window: 28 at 3.777 s is the same case (its free list was exactly its 78 cached
+  blocks, its reload of 1 re-keyed its block 77, the one free block left is the reloaded 78) and
+  BLIS has it hold 77 (claiming 78 there: 26's TTFT +15.5 ms, 27 and 28 -2.8 ms, also with a
+  retry that reloads into the gap and claims the rest around the held blocks: 28's retries find
+  the free list empty until 4.18 s, so BLIS has one more free block there); from 4.2 s on
+  it fires only for 44 up to 5.5 s. Neither it nor the partial tail has a condition found that
+  separates 44 from 28 (both lead-2 holds, claim all free, 1 vs 3 reloaded, tail 2 vs 43).
+  With it, 42 preempted by force at one step from 5.236 to 5.480 s: 42 and 43 -0.8 to -2.6
+  (best at 5.4797 s: -0.8, 22 -1.9, 44 -0.6), never BLIS's.
 * That partial tail plus 42 preempted by force: at 5.2357 s -1.1 (22 -1.8); at 5.4797 s (after 43's
   reloads filled the free list, before the completion there) -0.6 (22 -1.9, 44 0.0); by a rule
   "a first allocation whose reloads re-keyed the whole free list (none of its own) holds its claim
@@ -231,7 +243,8 @@ are TTFT of 42 and 43, E2E of 22, 17, in ms vs BLIS; partial_hold: 42 -376, 43 -
 * 43's reloads not bounded by the free count (the loop running while the free list is non-empty)
   in 5.23-5.5 s: 43 +4.6, 22 +3.2 (with the partial tail +9.5); the bound sits between the two.
 So BLIS has 42 waiting at its 43's admission, its free list empty a step earlier than here (~5.2357
-s), and ~30 more reloads than here before 5.49 s; no single rule tried gives all three.
+s), and ~25-30 more reloads (or prefill) than here before 5.49 s; no single rule tried gives all
+three. Harness: /tmp/g02c/h2.py (partial_hold plus one-off forcings PT/RH/FP/FILL/UNB, dumps).
 """
 
 from __future__ import annotations
