@@ -200,6 +200,51 @@ early (5.5056 s). Every step to 5.21 s is BLIS's to the microsecond (E2Es +324 u
 together 6-8 ms before BLIS's 5.4971 s (the hold stops 43's reload churn; BLIS's steps there are
 slower than these, 22's E2E says by 3.3 ms even without a hold): so BLIS likely has both 42 and 43
 waiting and reloading from ~5.25 s, not a holder.
+
+Session g02c (no rule adopted; partial_hold unchanged). BLIS's times in the window, read against
+partial_hold (BLIS's admission times are 0.3 ms below the oracle's for the same step, its E2Es
+0.324 ms): 22's last step ends when BLIS admits 42 and 43 together (5.4971 s; 22's E2E -3.3 ms
+here, so BLIS's steps from ~5.20 s to there take 3.6 ms more, ~50 reloads' worth); that admission
+step takes 18.4 ms in BLIS (here 43 alone, 437 tokens and 33 reloads: 19.8 ms), so 42's chunk and
+the reloads there are small (42's own blocks still cached); 17's E2E and 44's admission follow at
+BLIS's offset (-1.9 ms), 44's admission step is 0.7 ms shorter in BLIS. 11's E2E (exact) only
+pins the steps up to the one starting 5.2023 s: 43's admission there and 44's hold at 5.2198 s are
+not checked by BLIS's outputs. Forcings tried (each a one-off at a fixed time, none a rule; figures
+are TTFT of 42 and 43, E2E of 22, 17, in ms vs BLIS; partial_hold: 42 -376, 43 -1.9, 22 -3.3,
+17 -1.9):
+* 42 preempted with 43 at 5.2515 s: 42 and 43 admitted together as in BLIS but -2.5 (42, now the
+  queue head, is re-admitted at 5.267 s with 13 tokens and preempted again at 5.479 s when 43's
+  shared hold takes the free list), 22 -2.9; 42 preempted alone at other steps 5.236-5.395 s:
+  -1.9 to -4.6; 42 put behind 43 in the queue: -7.2.
+* 44's hold at 5.2198 s also taking the 3 free blocks left (the partial tail, popped from the head;
+  it then holds 61): 43 is preempted at 5.2357 s (one step earlier), 43 -0.2, 17 +0.3, 44 +0.8,
+  22 -1.5, but 42 is never preempted (-376). The same partial tail for every first-failure hold
+  from 4.19 s: 175 preemptions / 0.6354 / TTFT 550.6 / E2E 2994.2 (means nearest BLIS's of any
+  variant), window as above until 44's admission at 5.547 s breaks (+682 ms; 46 holds there).
+  Earlier it cannot apply: 28 at 3.777 s would hold 78, not 77 (that case's chunk also starts
+  past a re-keyed own block, tail 2 vs 1 free, as 44's: 43 vs 3; what differs is not found).
+* 44's hold at 5.2198 s also claiming the 3 blocks it reloaded (positions 61-63, past the gap its
+  reload made at 58-60; they were the 3 free blocks left): 43 -0.3, 17 -0.3, 44 -0.0, 22 -1.5,
+  18 -1.7, 42 still -376; whole run 144 / 0.6642 / 456.7 / 2884.3. As a rule (from 0 s) it breaks
+  the 3.78 s window: 28 at 3.777 s is the same case (its free list was exactly its 78 cached
+  blocks, its reload of 1 re-keyed its block 77, the one free block left is the reloaded 78) and
+  BLIS has it hold 77 (claiming 78 there: 26's TTFT +15.5 ms, 27 and 28 -2.8 ms, also with a
+  retry that reloads into the gap and claims the rest around the held blocks: 28's retries find
+  the free list empty until 4.18 s, so BLIS has one more free block there); from 4.2 s on
+  it fires only for 44 up to 5.5 s. Neither it nor the partial tail has a condition found that
+  separates 44 from 28 (both lead-2 holds, claim all free, 1 vs 3 reloaded, tail 2 vs 43).
+  With it, 42 preempted by force at one step from 5.236 to 5.480 s: 42 and 43 -0.8 to -2.6
+  (best at 5.4797 s: -0.8, 22 -1.9, 44 -0.6), never BLIS's.
+* That partial tail plus 42 preempted by force: at 5.2357 s -1.1 (22 -1.8); at 5.4797 s (after 43's
+  reloads filled the free list, before the completion there) -0.6 (22 -1.9, 44 0.0); by a rule
+  "a first allocation whose reloads re-keyed the whole free list (none of its own) holds its claim
+  when the claim's free blocks are exactly those" at 5.4635 s only: -1.2 (admission step 19.1 ms:
+  42 61 tokens, 43 325, 29 reloads); the same rule from 5.0 s fires at 5.3646 s: -5.1.
+* 43's reloads not bounded by the free count (the loop running while the free list is non-empty)
+  in 5.23-5.5 s: 43 +4.6, 22 +3.2 (with the partial tail +9.5); the bound sits between the two.
+So BLIS has 42 waiting at its 43's admission, its free list empty a step earlier than here (~5.2357
+s), and ~25-30 more reloads (or prefill) than here before 5.49 s; no single rule tried gives all
+three. Harness: /tmp/g02c/h2.py (partial_hold plus one-off forcings PT/RH/FP/FILL/UNB, dumps).
 """
 
 from __future__ import annotations
