@@ -382,3 +382,55 @@ def test_first_and_last_use_of_each_key_in_a_pass(m, key_space):
     for i in np.flatnonzero(keys < key_space):
         same = np.flatnonzero(keys == keys[i])
         assert (first[i], last[i]) == (same[0], same[-1]), i
+
+
+def test_a_long_padded_pass_runs_on_its_valid_keys_as_on_the_whole_pass():
+    """lru_pass on a long padded pass (its valid keys compacted when they fit short_pass, else
+    the whole pass) keeps the entries, their LRU order and the counts of the whole pass, pass
+    after pass, in and out of jit and under vmap (lanes on either path)."""
+    from types import SimpleNamespace
+
+    from blis_jax.engine.cpu_tier import BIG, LruStore, _pass, lru_pass, short_pass
+
+    dims = SimpleNamespace(kv_blocks=16, cpu_keys=600, cpu_blocks=64)
+    short, m = short_pass(dims), 8 * short_pass(dims)
+    capacity = jnp.int64(48)
+    rng = np.random.default_rng(7)
+
+    def passes(n_valid):   # valid keys at random positions of the padded pass, some repeated
+        keys = rng.integers(0, dims.cpu_keys, (6, m))
+        valid = np.zeros((6, m), bool)
+        for p in range(6):
+            valid[p, rng.choice(m, n_valid[p], replace=False)] = True
+        return jnp.asarray(np.where(valid, keys, dims.cpu_keys)), jnp.asarray(valid)
+
+    def empty():
+        return LruStore(jnp.full(dims.cpu_blocks, -1, jnp.int64), jnp.full(dims.cpu_blocks, BIG, jnp.int64),
+                        jnp.full(dims.cpu_keys, -1, jnp.int32), jnp.int64(0))
+
+    def run(fn, keys, valid):
+        store, count, seen = empty(), jnp.int64(0), []
+        for p in range(keys.shape[0]):
+            store, n_new, evict = fn(store, dims, capacity, count, keys[p], valid[p], jnp.asarray(True))
+            count = jnp.sum(store.slot_key >= 0).astype(jnp.int64)
+            occupied = np.asarray(store.slot_key) >= 0
+            by_use = np.asarray(store.slot_key)[occupied][np.argsort(np.asarray(store.slot_stamp)[occupied])]
+            seen.append((by_use.tolist(), np.asarray(store.key_slot).tolist(), int(n_new), int(evict)))
+        return seen
+
+    n_valid = [short // 2, short, short + 5, 3, short * 3, 0]   # both paths, and a pass with none
+    keys, valid = passes(n_valid)
+    whole = run(_pass, keys, valid)
+    assert run(lru_pass, keys, valid) == whole
+    jitted = jax.jit(lambda store, *a: lru_pass(store, dims, *a))
+    assert run(lambda store, _, *a: jitted(store, *a), keys, valid) == whole
+    assert any(e > 0 for *_, e in whole) and any(n > 0 for *_, n, _ in whole)
+    # two lanes, one over short_pass where the other fits, at every pass
+    keys2, valid2 = passes([short * 2, 1, short // 3, short + 1, 2, short * 4])
+    lanes = jax.vmap(lambda k, v: lru_pass(empty(), dims, capacity, jnp.int64(0), k, v, jnp.asarray(True)))
+    for p in range(6):
+        store, n_new, evict = lanes(jnp.stack([keys[p], keys2[p]]), jnp.stack([valid[p], valid2[p]]))
+        for lane, (k, v) in enumerate([(keys[p], valid[p]), (keys2[p], valid2[p])]):
+            one = _pass(empty(), dims, capacity, jnp.int64(0), k, v, jnp.asarray(True))
+            assert np.array_equal(np.asarray(store.key_slot[lane]), np.asarray(one[0].key_slot))
+            assert (int(n_new[lane]), int(evict[lane])) == (int(one[1]), int(one[2]))

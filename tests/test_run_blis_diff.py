@@ -46,15 +46,18 @@ def run_in_test_cli() -> frozenset[str]:
 
 
 def _params():
-    """Every case but those run in test_cli.py."""
+    """Every case but those run in test_cli.py, and but those whose replay there is a strict xfail
+    (a simulation not yet BLIS's: the run would fail for the same reason; their generation is
+    test_go_generation.py's). A case fixed there runs there again (run_after_the_replay)."""
     if not BLIS_DIFF.is_dir():
         return []
     replayed = run_in_test_cli()
+    known_gaps = {p.id for p in _cluster_cases() + _single_instance_cases() if p.marks}
     out = []
     for path in sorted(p for p in BLIS_DIFF.iterdir() if (p / "case.json").is_file()):
         case = json.loads((path / "case.json").read_text())
         cid = case["id"].split("_")[0]
-        if cid not in replayed:
+        if cid not in replayed and cid not in known_gaps:
             out.append(case_param(cid, case, stdout_exact=True))
     return out
 

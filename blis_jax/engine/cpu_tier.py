@@ -180,7 +180,48 @@ def _first_and_last_use(keys, key_space: int):
 
 def lru_pass(store: LruStore, dims: EngineDims, capacity, count, keys, valid, active):
     """One write-through pass of `keys` (the `valid` ones, in order) into the LRU store (see
-    `mirror`; `count`: its entries). Returns (store, keys newly stored, entries evicted)."""
+    `mirror`; `count`: its entries). Returns (store, keys newly stored, entries evicted).
+
+    The pass is padded to every batch slot's whole block row; its valid keys (the running
+    requests' blocks) are usually far fewer. When the padded pass is long (at least 4x
+    `short_pass(dims)`) and they fit `short_pass(dims)`, the pass runs on them alone, in order
+    (the same entries, order and counts: only the stamps' spacing differs); else on the whole
+    padded pass, in a loop of at most one iteration so that under vmap only the lanes that need
+    it pay for it."""
+    m = keys.shape[0]
+    short = short_pass(dims)
+    if 4 * short > m:   # little to gain for the cost of compiling two passes
+        return _pass(store, dims, capacity, count, keys, valid, active)
+    fits = jnp.sum(valid) <= short
+    # the valid keys' positions, in order (a scatter: cheaper here than jnp.nonzero)
+    at = jnp.full(short, m, jnp.int32).at[jnp.where(valid, jnp.cumsum(valid) - 1, short)].set(
+        jnp.arange(m, dtype=jnp.int32), mode="drop")
+    store, n_new, evict = _pass(store, dims, capacity, count, keys[jnp.minimum(at, m - 1)], (at < m) & fits,
+                                active & fits)
+
+    def cond(carry, ops):
+        return ~carry[-1] & ~ops[-1]
+
+    def body(carry, ops, on):
+        store, n_new, evict, done = carry
+        capacity, count, keys, valid, active, _ = ops
+        on = on & ~done   # read from the carry, so that XLA cannot hoist the pass out of the loop
+        store, more, evicted = _pass(store, dims, capacity, count, keys, valid & on, active & on)
+        return store, n_new + more, evict + evicted, done | on
+
+    store, n_new, evict, _ = masked_while(cond, body, (store, n_new, evict, jnp.asarray(False)),
+                                          (capacity, count, keys, valid, active, fits))
+    return store, n_new, evict
+
+
+def short_pass(dims: EngineDims) -> int:
+    """Keys of a pass run on its valid keys alone: twice the GPU blocks (a running batch's blocks
+    are distinct but for shared prefix blocks)."""
+    return bucket(2 * dims.kv_blocks)
+
+
+def _pass(store: LruStore, dims: EngineDims, capacity, count, keys, valid, active):
+    """lru_pass over `keys` as they are."""
     m = keys.shape[0]
     pos = jnp.arange(m, dtype=jnp.int64)
     nk = dims.cpu_keys
