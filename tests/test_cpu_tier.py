@@ -384,6 +384,7 @@ def test_first_and_last_use_of_each_key_in_a_pass(m, key_space):
         assert (first[i], last[i]) == (same[0], same[-1]), i
 
 
+@pytest.mark.slow  # eager, jitted and vmapped passes (~15 s on 2 cores)
 def test_a_long_padded_pass_runs_on_its_valid_keys_as_on_the_whole_pass():
     """lru_pass on a long padded pass (its valid keys compacted when they fit short_pass, else
     the whole pass) keeps the entries, their LRU order and the counts of the whole pass, pass
