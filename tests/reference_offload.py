@@ -102,6 +102,29 @@ Known departures (first divergences):
   The same window for request 101 without the hold opens at request 77's lookup (its reload
   re-keyed all 27 of its own blocks). (Before the mirror: request 84, deferred two steps by
   BLIS; before the hold: request 101.)
+  Session g03b: BLIS's blocks 27-49 keep their places; they lose only their keys. Dropping the
+  keys of the 23 head blocks (sys-7 49..27) in place just before 110's lookup (after phase 1 of
+  that step, which pops block 50) makes requests 0-109 exact (112/600, hit rate 0.6836). The
+  same drop also explains the "10 fewer" at 115: 110 then reloads 37 into the 23 keyless blocks
+  and only 14 of its own (26..13), so its prefix is 13 and it claims 0..12 (107 blocks taken in
+  all with the +23 pops, 97 with the drop). It also explains request 116 (a sys-7 warm load two
+  steps later): BLIS computes it from block 13 (its step is 484 µs shorter), and 0..12 are on the
+  GPU only with the drop. The 23 dropped keys are exactly those in the blocks that request 77's
+  reload re-keyed from its own cached blocks 4..26 to 27..49 (7.39 s). Requests 84 and 89 claimed
+  those blocks as cached since then, and 89's step time needs all 64 found at 9.43 s. A lead not
+  built: in BLIS those blocks carry a second, stale copy of their keys. Popping the stale copy
+  then deletes the live key from the hash map, as Go's unconditional `delete` would. That needs
+  a source of duplicate keys, and this model makes none (no `_register` ever overwrites a live
+  key). Not found: which rule drops them. The same drop at every admission of the request's
+  uncached full blocks (K = 73 - 50 = 23 here) would break request 108 (cached 47, its own blocks
+  at the head too).
+  With the drop, the next divergence is request 120 (12.356 s, admitted one step early): its
+  promotion read ends 3674 µs into a step in which request 114 completes. BLIS admits it two steps
+  after that step, not one, which contradicts the completion poll that request 114 needed (its
+  read ended 2781 µs into a step in which 102 completes). Without the completion poll, 114 is
+  one step late (lead 95). vLLM's reverse touch order with the drop: lead 110 as well, hit rate
+  0.6857 vs 0.6856 (the closest yet); it does not change 114's read (sys-19 is not on the CPU
+  tier then either way).
 * G04 request 50: its 64-block read finishes one step too early (jitter factor 1.27 drawn here,
   BLIS needs 1.34-1.51; requests 56 and 58 are one step early too, 59 two late). At depth 1 the
   ramp is already at its slowest, so it is the draw: the count of draws before it differs.
