@@ -117,7 +117,12 @@ Known departures (first divergences):
   a source of duplicate keys, and this model makes none (no `_register` ever overwrites a live
   key). Not found: which rule drops them. The same drop at every admission of the request's
   uncached full blocks (K = 73 - 50 = 23 here) would break request 108 (cached 47, its own blocks
-  at the head too).
+  at the head too). Also tried as general rules, each breaking earlier:
+  - Blocks re-keyed from the reloading request's own cached blocks lose their keys when a
+    release frees them: lead 54. Request 60's release drops sys-18 29-57, and 62 is +1282 µs.
+    Counting only reloads that re-key all their own blocks gives the same.
+  - Those blocks kept out of the hash map, or a stale map entry left for their old key: lead
+    64, request 77 +998 µs.
   With the drop, the next divergence is request 120 (12.356 s, admitted one step early): its
   promotion read ends 3674 µs into a step in which request 114 completes. BLIS admits it two steps
   after that step, not one, which contradicts the completion poll that request 114 needed (its
