@@ -123,6 +123,14 @@ Known departures (first divergences):
     Counting only reloads that re-key all their own blocks gives the same.
   - Those blocks kept out of the hash map, or a stale map entry left for their old key: lead
     64, request 77 +998 µs.
+  - Their keys dropped when a request claims them as a plain GPU-cached prefix (no reload):
+    lead 61. Request 62's claim of sys-18 29-57 (re-keyed by 59's reload from its own blocks,
+    then claimed by 60's reload) drops keys that request 72 needs (+1285 µs).
+  Dropping sys-7 keys 27-53 at any step from the one after request 89's admission (9.438 s, 89
+  holding them) to 110's gives the same 112/600. So the keys must be found at 89's lookup
+  (9.430 s) and are not needed after it. sys-18 keeps the same history (own-block re-key, then a
+  reload claim, then a plain claim), and BLIS keeps those keys. The sys-7 chain differs by
+  request 84's warm load (hold of 27 blocks, reload of 0-26) between 77 and 89: that is the lead.
   With the drop, the next divergence is request 120 (12.356 s, admitted one step early): its
   promotion read ends 3674 µs into a step in which request 114 completes. BLIS admits it two steps
   after that step, not one, which contradicts the completion poll that request 114 needed (its
