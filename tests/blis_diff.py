@@ -162,8 +162,8 @@ OFFLOAD_GAPS = {
             "request 95's E2E is 2682 µs short: request 110's step (11.418 s) is 842 µs longer in BLIS, which "
             "computes 110's prompt from block 27, not 50. In BLIS the free list's 23 head blocks (sys-7 49..27, "
             "the blocks request 77's reload re-keyed from its own) lose their keys in place before 110's lookup; "
-            "forcing that makes 0-109 exact (112/600), but the rule is not found. Cache hit rate 0.6834 vs "
-            "0.6856, TTFT mean +4.8 %"),
+            "the oracle's opt-in warm_fresh rule (tests/reference_offload.py, not yet in the engine) does that "
+            "and makes 0-109 exact (112/600). Cache hit rate 0.6834 vs 0.6856, TTFT mean +4.8 %"),
     "G04": ("the offload chain's jitter draws (issue #24): 39 of 600 requests exact; request 50's promotion read "
             "finishes a step early (jitter factor 1.27 drawn, BLIS's needs 1.34-1.51: a different count of "
             "kv-offload draws before it); KV Thrashing Rate 0 vs 0.0055, TTFT mean +3.9 %"),

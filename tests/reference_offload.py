@@ -12,7 +12,9 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
 * G03: requests 0-94 exact (TTFT and E2E), 99/600 in all; cache hit rate 0.6834 vs 0.6856,
   TTFT mean 35.17 vs 33.56 ms, E2E mean 1069.16 vs 1067.40 ms, KV Thrashing Rate 0 = 0 (without
   the legacy mirror, `legacy_mirror=False`, the jitted engine's model before its port: 0-81 exact,
-  82 in all, hit rate 0.6832, TTFT mean 34.57 ms, E2E mean 1067.98 ms).
+  82 in all, hit rate 0.6832, TTFT mean 34.57 ms, E2E mean 1067.98 ms). With `warm_fresh=True` (session
+  g03b, not yet ported to the jitted engine, hence not the default): requests 0-109 exact,
+  112/600, hit rate 0.6839, TTFT mean 35.01 ms, E2E mean 1069.10 ms; G04 unchanged.
 * G04: requests 0-36 exact, 39/600 in all; hit rate 0.6685 vs 0.6688, TTFT mean 44.14 vs
   42.47 ms, E2E mean 1071.53 vs 1070.02 ms, KV Thrashing Rate 0 vs 0.0055 (BLIS refuses ~1 of
   ~180 promotions; this refuses none).
@@ -102,7 +104,16 @@ Known departures (first divergences):
   The same window for request 101 without the hold opens at request 77's lookup (its reload
   re-keyed all 27 of its own blocks). (Before the mirror: request 84, deferred two steps by
   BLIS; before the hold: request 101.)
-  Session g03b: BLIS's blocks 27-49 keep their places; they lose only their keys. Dropping the
+  Found (session g03b), opt-in as `warm_fresh`: after a warm load the admission does not reload.
+  Its chunk gets fresh blocks at their own positions, registered under their real keys. That
+  replaces the map entries of blocks that still hold those keys (request 84, chunk from 0: all of
+  sys-7's 64 keys move to its new blocks). The blocks the offload tier continued count as hits.
+  Reusing a block then deletes its key's map entry unconditionally (Go's `delete` by the block's
+  own key), so popping a stale copy unmaps the live block. 77's re-keyed blocks 4..26 (keys 27-53)
+  are such copies, popped between 89's lookup and 110's. Each half alone changes nothing (99/600).
+  Dropping the hold at 84 instead breaks 101 (lead 88), and so does keeping the reload before the
+  fresh chunk. How it was found:
+  BLIS's blocks 27-49 keep their places; they lose only their keys. Dropping the
   keys of the 23 head blocks (sys-7 49..27) in place just before 110's lookup (after phase 1 of
   that step, which pops block 50) makes requests 0-109 exact (112/600, hit rate 0.6836). The
   same drop also explains the "10 fewer" at 115: 110 then reloads 37 into the 23 keyless blocks
@@ -251,9 +262,10 @@ def service_us(tier: Tier, nbytes: int, read: bool, depth: int = 1, rng=None) ->
 
 class OffloadKVCache(KVCache):
     def __init__(self, total_blocks: int, block_size: int, cfg: OffloadConfig, seed: int = 42,
-                 legacy_mirror: bool = True):
+                 legacy_mirror: bool = True, warm_fresh: bool = False):
         super().__init__(total_blocks, block_size)
-        self.legacy_mirror = legacy_mirror   # False: the model before the mirror (the jitted engine's before its port)
+        self.legacy_mirror = legacy_mirror
+        self.warm_fresh = warm_fresh         # see the module docstring (session g03b): not the default yet   # False: the model before the mirror (the jitted engine's before its port)
         from blis_jax.rng.streams import PartitionedRNG
         self.rng = PartitionedRNG(seed).for_subsystem("kv-offload")   # per instance (blis-rng §10.3)
         self.oc = cfg
@@ -310,9 +322,7 @@ class OffloadKVCache(KVCache):
         held = []
         for _ in range(min(n, len(self.free))):
             b = self.free.popitem(last=False)[0]
-            old = self.hash[b]
-            if old is not None and self.by_hash.get(old) == b:
-                del self.by_hash[old]
+            self._forget(b)
             self.hash[b], self.ref[b] = None, 1
             held.append(b)
         return held
@@ -322,6 +332,15 @@ class OffloadKVCache(KVCache):
         for b in held:
             self.ref[b] = 0
             self.free[b] = None
+
+    def _forget(self, b: int) -> None:
+        """With `warm_fresh`, reusing a block drops its key's map entry even when the key maps to
+        another block (a Go `delete` by the block's own key): the stale copy a fresh warm admission
+        leaves behind unmaps the live one when popped."""
+        if not self.warm_fresh:
+            return KVCache._forget(self, b)
+        if self.hash[b] is not None:
+            self.by_hash.pop(self.hash[b], None)
 
     def mirror(self, running) -> None:
         """The legacy CPU tier's write-through after each step: the full prompt blocks of every
@@ -448,6 +467,16 @@ class OffloadKVCache(KVCache):
         if self.req_blocks.get(req.request_id) is not None or end <= start:
             return KVCache.allocate(self, req, start, end, cached)
         bs = self.bs
+        if self.warm_fresh and req.warm_async:
+            # after a warm load: no reload; the chunk's blocks are fresh at their own positions under
+            # their real keys (replacing the map entries of blocks still holding them); the blocks
+            # the offload tier continued count as hits
+            n = min(len(self.cpu_run(req, len(cached))), -(-end // bs) - len(cached))
+            if not KVCache.allocate(self, req, start, end, cached):
+                return False
+            self.hits += n
+            self.misses -= n
+            return True
         if req.warm_loaded or not self.legacy_mirror:   # after an async load the offload tier's blocks count
             on_cpu = lambda key: key in self.mirror_keys or self.cpu.get(key, -1) >= 0  # noqa: E731
         else:
@@ -474,9 +503,9 @@ class OffloadKVCache(KVCache):
 
 class OffloadEngine(ReferenceEngine):
     def __init__(self, requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
-                 legacy_mirror: bool = True):
+                 legacy_mirror: bool = True, warm_fresh: bool = False):
         super().__init__(requests, cfg, lat, record_steps)
-        self.kv = OffloadKVCache(cfg.total_kv_blocks, cfg.block_size, offload, seed, legacy_mirror)
+        self.kv = OffloadKVCache(cfg.total_kv_blocks, cfg.block_size, offload, seed, legacy_mirror, warm_fresh)
         for r in self.reqs:
             r.promo = False        # a promotion read in flight for it
             r.promo_done = False
@@ -484,6 +513,7 @@ class OffloadEngine(ReferenceEngine):
             r.warm_at = None       # step start of an async (warm) CPU load in flight
             r.held = []            # the GPU blocks it holds for that load
             r.warm_loaded = False
+            r.warm_async = False   # deferred for a warm (async CPU) load
 
     def _after_execution(self) -> None:
         now = self.clock
@@ -540,7 +570,7 @@ class OffloadEngine(ReferenceEngine):
             # the offload CPU tier continues the prefix further than the legacy mirror: a warm hit,
             # loaded asynchronously (vLLM's load_async), the request deferred (G03 request 84)
             if kv.legacy_mirror and not r.promo and len(reload) > len(kv.mirror_run(r, len(cached))):
-                r.promo, r.warm_at = True, now
+                r.promo, r.warm_at, r.warm_async = True, now, True
                 r.held = kv.hold_for_load(r, len(cached))
                 kv.c["warm_loads"] += 1
                 kv.warm_log.append((now, r.request_id))
@@ -560,7 +590,7 @@ class OffloadEngine(ReferenceEngine):
             start = len(cached) * bs      # the chunk is sized from the GPU-cached prefix alone
             n = self._chunk_tokens(r, start, st)
             ok = kv.allocate(r, start, start + n, cached)
-            r.warm_loaded = False
+            r.warm_loaded = r.warm_async = False
             if not ok:
                 if fresh:
                     i += 1
@@ -578,6 +608,6 @@ class OffloadEngine(ReferenceEngine):
 
 
 def simulate_offload(requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
-                     legacy_mirror: bool = True):
-    eng = OffloadEngine(requests, cfg, lat, offload, seed, record_steps, legacy_mirror)
+                     legacy_mirror: bool = True, warm_fresh: bool = False):
+    eng = OffloadEngine(requests, cfg, lat, offload, seed, record_steps, legacy_mirror, warm_fresh)
     return eng.run(), eng.kv
