@@ -122,11 +122,9 @@ Known departures (first divergences):
   steps later): BLIS computes it from block 13 (its step is 484 µs shorter), and 0..12 are on the
   GPU only with the drop. The 23 dropped keys are exactly those in the blocks that request 77's
   reload re-keyed from its own cached blocks 4..26 to 27..49 (7.39 s). Requests 84 and 89 claimed
-  those blocks as cached since then, and 89's step time needs all 64 found at 9.43 s. A lead not
-  built: in BLIS those blocks carry a second, stale copy of their keys. Popping the stale copy
-  then deletes the live key from the hash map, as Go's unconditional `delete` would. That needs
-  a source of duplicate keys, and this model makes none (no `_register` ever overwrites a live
-  key). Not found: which rule drops them. The same drop at every admission of the request's
+  those blocks as cached since then, and 89's step time needs all 64 found at 9.43 s. The default
+  model makes no duplicate keys (no `_register` ever overwrites a live key); `warm_fresh` is the
+  source of duplicates. The same drop at every admission of the request's
   uncached full blocks (K = 73 - 50 = 23 here) would break request 108 (cached 47, its own blocks
   at the head too). Also tried as general rules, each breaking earlier:
   - Blocks re-keyed from the reloading request's own cached blocks lose their keys when a
@@ -141,8 +139,9 @@ Known departures (first divergences):
   holding them) to 110's gives the same 112/600. So the keys must be found at 89's lookup
   (9.430 s) and are not needed after it. sys-18 keeps the same history (own-block re-key, then a
   reload claim, then a plain claim), and BLIS keeps those keys. The sys-7 chain differs by
-  request 84's warm load (hold of 27 blocks, reload of 0-26) between 77 and 89: that is the lead.
-  With the drop, the next divergence is request 120 (12.356 s, admitted one step early): its
+  request 84's warm load (hold of 27 blocks, reload of 0-26) between 77 and 89, which led to
+  `warm_fresh`.
+  With the drop (or `warm_fresh`), the next divergence is request 120 (12.356 s, admitted one step early): its
   promotion read ends 3674 µs into a step in which request 114 completes. BLIS admits it two steps
   after that step, not one, which contradicts the completion poll that request 114 needed (its
   read ended 2781 µs into a step in which 102 completes). Without the completion poll, 114 is
