@@ -121,6 +121,12 @@ class KVCache:
             out.append(b)
         return out
 
+    def _forget(self, b: int) -> None:
+        """Drop the map entry of block b's key as b is reused (only if it still maps to b)."""
+        old = self.hash[b]
+        if old is not None and self.by_hash.get(old) == b:
+            del self.by_hash[old]
+
     def _register(self, req, j: int, b: int):
         h = self.block_key(req, j, self.bs, self.req_offset[req.request_id])
         self.hash[b] = h
@@ -176,11 +182,8 @@ class KVCache:
                 self._register(req, len(blocks) - 1, last)
         while rem > 0:
             b = self.free.popitem(last=False)[0]
-            old = self.hash[b]
-            if old is not None:
-                if self.by_hash.get(old) == b:
-                    del self.by_hash[old]
-                self.hash[b] = None
+            self._forget(b)
+            self.hash[b] = None
             take = min(bs, rem)
             self.ref[b] = 1
             self.fill[b] = take

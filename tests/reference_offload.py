@@ -12,7 +12,9 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
 * G03: requests 0-94 exact (TTFT and E2E), 99/600 in all; cache hit rate 0.6834 vs 0.6856,
   TTFT mean 35.17 vs 33.56 ms, E2E mean 1069.16 vs 1067.40 ms, KV Thrashing Rate 0 = 0 (without
   the legacy mirror, `legacy_mirror=False`, the jitted engine's model before its port: 0-81 exact,
-  82 in all, hit rate 0.6832, TTFT mean 34.57 ms, E2E mean 1067.98 ms).
+  82 in all, hit rate 0.6832, TTFT mean 34.57 ms, E2E mean 1067.98 ms). With `warm_fresh=True` (session
+  g03b, not yet ported to the jitted engine, hence not the default): requests 0-109 exact,
+  112/600, hit rate 0.6839, TTFT mean 35.01 ms, E2E mean 1069.10 ms; G04 unchanged.
 * G04: requests 0-36 exact, 39/600 in all; hit rate 0.6699 vs 0.6688, TTFT mean 44.29 vs
   42.47 ms, E2E mean 1071.69 vs 1070.02 ms (with the completion poll below; without it 44.47 and
   1071.87 ms), KV Thrashing Rate 0 vs 0.0055 (BLIS refuses ~1 of
@@ -130,6 +132,50 @@ Known departures (first divergences):
   The same window for request 101 without the hold opens at request 77's lookup (its reload
   re-keyed all 27 of its own blocks). (Before the mirror: request 84, deferred two steps by
   BLIS; before the hold: request 101.)
+  Found (session g03b), opt-in as `warm_fresh`: after a warm load the admission does not reload.
+  Its chunk gets fresh blocks at their own positions, registered under their real keys. That
+  replaces the map entries of blocks that still hold those keys (request 84, chunk from 0: all of
+  sys-7's 64 keys move to its new blocks). The blocks the offload tier continued count as hits.
+  Reusing a block then deletes its key's map entry unconditionally (Go's `delete` by the block's
+  own key), so popping a stale copy unmaps the live block. 77's re-keyed blocks 4..26 (keys 27-53)
+  are such copies, popped between 89's lookup and 110's. Each half alone changes nothing (99/600).
+  Dropping the hold at 84 instead breaks 101 (lead 88), and so does keeping the reload before the
+  fresh chunk. How it was found:
+  BLIS's blocks 27-49 keep their places; they lose only their keys. Dropping the
+  keys of the 23 head blocks (sys-7 49..27) in place just before 110's lookup (after phase 1 of
+  that step, which pops block 50) makes requests 0-109 exact (112/600, hit rate 0.6836). The
+  same drop also explains the "10 fewer" at 115: 110 then reloads 37 into the 23 keyless blocks
+  and only 14 of its own (26..13), so its prefix is 13 and it claims 0..12 (107 blocks taken in
+  all with the +23 pops, 97 with the drop). It also explains request 116 (a sys-7 warm load two
+  steps later): BLIS computes it from block 13 (its step is 484 µs shorter), and 0..12 are on the
+  GPU only with the drop. The 23 dropped keys are exactly those in the blocks that request 77's
+  reload re-keyed from its own cached blocks 4..26 to 27..49 (7.39 s). Requests 84 and 89 claimed
+  those blocks as cached since then, and 89's step time needs all 64 found at 9.43 s. The default
+  model makes no duplicate keys (no `_register` ever overwrites a live key); `warm_fresh` is the
+  source of duplicates. The same drop at every admission of the request's
+  uncached full blocks (K = 73 - 50 = 23 here) would break request 108 (cached 47, its own blocks
+  at the head too). Also tried as general rules, each breaking earlier:
+  - Blocks re-keyed from the reloading request's own cached blocks lose their keys when a
+    release frees them: lead 54. Request 60's release drops sys-18 29-57, and 62 is +1282 µs.
+    Counting only reloads that re-key all their own blocks gives the same.
+  - Those blocks kept out of the hash map, or a stale map entry left for their old key: lead
+    64, request 77 +998 µs.
+  - Their keys dropped when a request claims them as a plain GPU-cached prefix (no reload):
+    lead 61. Request 62's claim of sys-18 29-57 (re-keyed by 59's reload from its own blocks,
+    then claimed by 60's reload) drops keys that request 72 needs (+1285 µs).
+  Dropping sys-7 keys 27-53 at any step from the one after request 89's admission (9.438 s, 89
+  holding them) to 110's gives the same 112/600. So the keys must be found at 89's lookup
+  (9.430 s) and are not needed after it. sys-18 keeps the same history (own-block re-key, then a
+  reload claim, then a plain claim), and BLIS keeps those keys. The sys-7 chain differs by
+  request 84's warm load (hold of 27 blocks, reload of 0-26) between 77 and 89, which led to
+  `warm_fresh`.
+  With the drop (or `warm_fresh`), the next divergence is request 120 (12.356 s, admitted one step early): its
+  promotion read ends 3674 µs into a step in which request 114 completes. BLIS admits it two steps
+  after that step, not one, which contradicts the completion poll that request 114 needed (its
+  read ended 2781 µs into a step in which 102 completes). Without the completion poll, 114 is
+  one step late (lead 95). vLLM's reverse touch order with the drop: lead 110 as well, hit rate
+  0.6857 vs 0.6856 (the closest yet); it does not change 114's read (sys-19 is not on the CPU
+  tier then either way).
 * G04 request 50: its 64-block read finishes one step too early (jitter factor 1.27 drawn here,
   BLIS needs 1.34-1.51; requests 56 and 58 are one step early too, 59 two late). At depth 1 the
   ramp is already at its slowest, so it is the draw: the count of draws before it differs.
@@ -282,9 +328,10 @@ def service_us(tier: Tier, nbytes: int, read: bool, depth: int = 1, rng=None) ->
 
 class OffloadKVCache(KVCache):
     def __init__(self, total_blocks: int, block_size: int, cfg: OffloadConfig, seed: int = 42,
-                 legacy_mirror: bool = True):
+                 legacy_mirror: bool = True, warm_fresh: bool = False):
         super().__init__(total_blocks, block_size)
-        self.legacy_mirror = legacy_mirror   # False: the model before the mirror (the jitted engine's before its port)
+        self.legacy_mirror = legacy_mirror
+        self.warm_fresh = warm_fresh         # see the module docstring (session g03b): not the default yet   # False: the model before the mirror (the jitted engine's before its port)
         from blis_jax.rng.streams import PartitionedRNG
         self.rng = PartitionedRNG(seed).for_subsystem("kv-offload")   # per instance (blis-rng §10.3)
         self.oc = cfg
@@ -341,9 +388,7 @@ class OffloadKVCache(KVCache):
         held = []
         for _ in range(min(n, len(self.free))):
             b = self.free.popitem(last=False)[0]
-            old = self.hash[b]
-            if old is not None and self.by_hash.get(old) == b:
-                del self.by_hash[old]
+            self._forget(b)
             self.hash[b], self.ref[b] = None, 1
             held.append(b)
         return held
@@ -353,6 +398,15 @@ class OffloadKVCache(KVCache):
         for b in held:
             self.ref[b] = 0
             self.free[b] = None
+
+    def _forget(self, b: int) -> None:
+        """With `warm_fresh`, reusing a block drops its key's map entry even when the key maps to
+        another block (a Go `delete` by the block's own key): the stale copy a fresh warm admission
+        leaves behind unmaps the live one when popped."""
+        if not self.warm_fresh:
+            return KVCache._forget(self, b)
+        if self.hash[b] is not None:
+            self.by_hash.pop(self.hash[b], None)
 
     def mirror(self, running) -> None:
         """The legacy CPU tier's write-through after each step: the full prompt blocks of every
@@ -487,6 +541,16 @@ class OffloadKVCache(KVCache):
         if self.req_blocks.get(req.request_id) is not None or end <= start:
             return KVCache.allocate(self, req, start, end, cached)
         bs = self.bs
+        if self.warm_fresh and req.warm_async:
+            # after a warm load: no reload; the chunk's blocks are fresh at their own positions under
+            # their real keys (replacing the map entries of blocks still holding them); the blocks
+            # the offload tier continued count as hits
+            n = min(len(self.cpu_run(req, len(cached))), -(-end // bs) - len(cached))
+            if not KVCache.allocate(self, req, start, end, cached):
+                return False
+            self.hits += n
+            self.misses -= n
+            return True
         if req.warm_loaded or not self.legacy_mirror:   # after an async load the offload tier's blocks count
             on_cpu = lambda key: key in self.mirror_keys or self.cpu.get(key, -1) >= 0  # noqa: E731
         else:
@@ -513,9 +577,9 @@ class OffloadKVCache(KVCache):
 
 class OffloadEngine(ReferenceEngine):
     def __init__(self, requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
-                 legacy_mirror: bool = True):
+                 legacy_mirror: bool = True, warm_fresh: bool = False):
         super().__init__(requests, cfg, lat, record_steps)
-        self.kv = OffloadKVCache(cfg.total_kv_blocks, cfg.block_size, offload, seed, legacy_mirror)
+        self.kv = OffloadKVCache(cfg.total_kv_blocks, cfg.block_size, offload, seed, legacy_mirror, warm_fresh)
         for r in self.reqs:
             r.promo = False        # a promotion read in flight for it
             r.promo_done = False
@@ -524,6 +588,7 @@ class OffloadEngine(ReferenceEngine):
             r.held = []            # the GPU blocks it holds for that load
             r.warm_loaded = False
             r.join_keys = None     # the blocks another request's read brings in, when it joined it
+            r.warm_async = False   # deferred for a warm (async CPU) load
 
     def _after_execution(self) -> None:
         now = self.clock
@@ -584,7 +649,7 @@ class OffloadEngine(ReferenceEngine):
             # the offload CPU tier continues the prefix further than the legacy mirror: a warm hit,
             # loaded asynchronously (vLLM's load_async), the request deferred (G03 request 84)
             if kv.legacy_mirror and not r.promo and len(reload) > len(kv.mirror_run(r, len(cached))):
-                r.promo, r.warm_at = True, now
+                r.promo, r.warm_at, r.warm_async = True, now, True
                 r.held = kv.hold_for_load(r, len(cached))
                 kv.c["warm_loads"] += 1
                 kv.warm_log.append((now, r.request_id))
@@ -604,7 +669,7 @@ class OffloadEngine(ReferenceEngine):
             start = len(cached) * bs      # the chunk is sized from the GPU-cached prefix alone
             n = self._chunk_tokens(r, start, st)
             ok = kv.allocate(r, start, start + n, cached)
-            r.warm_loaded = False
+            r.warm_loaded = r.warm_async = False
             if not ok:
                 if fresh:
                     i += 1
@@ -622,6 +687,6 @@ class OffloadEngine(ReferenceEngine):
 
 
 def simulate_offload(requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
-                     legacy_mirror: bool = True):
-    eng = OffloadEngine(requests, cfg, lat, offload, seed, record_steps, legacy_mirror)
+                     legacy_mirror: bool = True, warm_fresh: bool = False):
+    eng = OffloadEngine(requests, cfg, lat, offload, seed, record_steps, legacy_mirror, warm_fresh)
     return eng.run(), eng.kv

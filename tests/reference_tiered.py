@@ -271,9 +271,7 @@ def reload_from_cpu(kv: KVCache, req, cached, on_cpu) -> tuple[list, int]:
             break
         b = kv.free.popitem(last=False)[0]
         lost += b in own
-        old = kv.hash[b]
-        if old is not None and kv.by_hash.get(old) == b:
-            del kv.by_hash[old]
+        kv._forget(b)
         kv.hash[b], kv.fill[b], kv.ref[b] = key, bs, 0
         kv.by_hash[key] = b
         kv.free[b] = None                      # back at the tail, refcount 0

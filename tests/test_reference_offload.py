@@ -227,3 +227,21 @@ def test_offload_reference_against_blis(case_id):
     assert abs(e2e / m["e2e_mean_ms"] - 1) <= e2e_tol
     blis_thrash = float((c.path / "stdout.txt").read_text().split("KV Thrashing Rate:")[1].split()[0])
     assert abs(kv.c["refused"] / max(kv.c["attempted"], 1) - blis_thrash) <= thrash_tol
+
+
+@needs_blis_diff
+def test_offload_reference_warm_fresh_against_blis():
+    """The opt-in `warm_fresh` rule (after a warm load: no reload, a fresh chunk under real keys; a
+    reused block unmaps its key unconditionally) keeps G03 exact up to request 110. Without it, 95
+    (BLIS drops the keys of sys-7 blocks 27-49 before 110's lookup)."""
+    from blis_diff import load_case
+    from test_reference_engine import engine_config, latency_hooks
+
+    c = load_case("G03")
+    lat = latency_hooks(c.case, [r.input_len for r in c.requests])
+    res, _ = simulate_offload(c.requests, engine_config(c.case), lat, OffloadConfig.from_header(c.header["kv_offload"]),
+                              int(c.case["seed"]), warm_fresh=True)
+    exact = [(c.results[r.request_id]["ttft_us"], c.results[r.request_id]["e2e_us"])
+             == (res.requests[r.request_id]["ttft_us"], res.requests[r.request_id]["e2e_us"]) for r in c.requests]
+    assert (exact.index(False) if False in exact else len(exact)) >= 110
+    assert abs(res.counters["cache_hit_rate"] / c.metrics["cache_hit_rate"] - 1) <= 0.01
