@@ -274,12 +274,7 @@ def test_oracle_no_rollback_holds_blocks_conserved_on_g02():
             step(now)
             if eng.c["step_count"] % 7:
                 return
-            refs = [0] * kv.n
-            for blocks in kv.req_blocks.values():
-                for b in blocks:
-                    refs[b] += 1
-            assert refs == kv.ref, "a block's refcount is not its entries in the requests' block lists"
-            assert set(kv.free) == {b for b in range(kv.n) if refs[b] == 0}, "free list != unreferenced blocks"
+            assert_oracle_blocks_conserved(kv)
             waiting = {r.request_id for r in eng.wait}
             assert kv.holders <= waiting and all(kv.req_blocks[h] for h in kv.holders)
             assert set(kv.req_blocks) <= waiting | {r.request_id for r in eng.running}
@@ -294,6 +289,16 @@ def test_oracle_no_rollback_holds_blocks_conserved_on_g02():
     assert checks > 1000 and held_seen > 100
     assert preemptions[True] > 1.5 * preemptions[False]
 
+
+def assert_oracle_blocks_conserved(kv) -> None:
+    """The eager oracle's GPU blocks: each refcount is the block's entries in the requests' block
+    lists (held ones included), and the free list is the unreferenced blocks."""
+    refs = [0] * kv.n
+    for blocks in kv.req_blocks.values():
+        for b in blocks:
+            refs[b] += 1
+    assert refs == kv.ref, "a block's refcount is not its entries in the requests' block lists"
+    assert set(kv.free) == {b for b in range(kv.n) if refs[b] == 0}, "free list != unreferenced blocks"
 
 @needs_shared
 @pytest.mark.slow  # the eager oracle on G02, checking the blocks every few steps (~12 s)
@@ -322,11 +327,7 @@ def test_oracle_partial_hold_fits_blis_g02_to_5_45_s():
         step(now)
         if eng.c["step_count"] % 5:
             return
-        refs = [0] * kv.n
-        for blocks in kv.req_blocks.values():
-            for b in blocks:
-                refs[b] += 1
-        assert refs == kv.ref and set(kv.free) == {b for b in range(kv.n) if refs[b] == 0}
+        assert_oracle_blocks_conserved(kv)
         assert kv.shared_holders <= kv.holders <= {r.request_id for r in eng.wait}
         shared_seen += len(kv.shared_holders)
 
