@@ -159,12 +159,10 @@ CPU_TIER_GAPS = {
 
 # What the multi-tier offload chain still lacks per reference case (issue #24; reference_offload.py's docstring).
 OFFLOAD_GAPS = {
-    "G03": ("the offload chain's later step times (issue #24): 99 of 600 requests exact (0-94 in a row); "
-            "request 95's E2E is 2682 µs short: request 110's step (11.418 s) is 842 µs longer in BLIS, which "
-            "computes 110's prompt from block 27, not 50. In BLIS the free list's 23 head blocks (sys-7 49..27, "
-            "the blocks request 77's reload re-keyed from its own) lose their keys in place before 110's lookup; "
-            "the oracle's opt-in warm_fresh rule (tests/reference_offload.py, not yet in the engine) does that "
-            "and makes 0-109 exact (112/600). Cache hit rate 0.6834 vs 0.6856, TTFT mean +4.8 %"),
+    "G03": ("the offload chain's later step times (issue #24): 112 of 600 requests exact (0-109 in a row); "
+            "first divergence request 120: its promotion read finishes inside a step in which request 114 "
+            "completes, and BLIS admits it a step later than the completion poll does (tests/reference_offload.py). "
+            "Cache hit rate 0.6839 vs 0.6856, TTFT mean +4.3 %"),
     "G04": ("the offload chain's jitter draws (issue #24): 39 of 600 requests exact; request 50's promotion read "
             "finishes a step early (jitter factor 1.27 drawn, BLIS's needs 1.34-1.51: a different count of "
             "kv-offload draws before it; no draw-count mechanism found, see reference_offload.py's read windows); "

@@ -4,17 +4,17 @@ Test oracle only. The spec (blis-features §2.10) is thin: the semantics below w
 the blis-diff cases G03 (no jitter) and G04 (ramp + jitter), request by request.
 
 The jitted engine's port is blis_jax/engine/offload.py; tests/test_offload_engine.py checks that it
-gives this reference's run (the default, `legacy_mirror=True`) request by request (G03, G04 and
-synthetic runs, one with warm loads).
+gives this reference's run (the default, `legacy_mirror=True`, `warm_fresh=True`) request by request
+(G03, G04 and synthetic runs, one with warm loads).
 
 Agreement today (tests/test_reference_offload.py::test_offload_reference_against_blis):
 
-* G03: requests 0-94 exact (TTFT and E2E), 99/600 in all; cache hit rate 0.6834 vs 0.6856,
-  TTFT mean 35.17 vs 33.56 ms, E2E mean 1069.16 vs 1067.40 ms, KV Thrashing Rate 0 = 0 (without
-  the legacy mirror, `legacy_mirror=False`, the jitted engine's model before its port: 0-81 exact,
-  82 in all, hit rate 0.6832, TTFT mean 34.57 ms, E2E mean 1067.98 ms). With `warm_fresh=True` (session
-  g03b, not yet ported to the jitted engine, hence not the default): requests 0-109 exact,
-  112/600, hit rate 0.6839, TTFT mean 35.01 ms, E2E mean 1069.10 ms; G04 unchanged.
+* G03: requests 0-109 exact (TTFT and E2E), 112/600 in all; cache hit rate 0.6839 vs 0.6856,
+  TTFT mean 35.01 vs 33.56 ms, E2E mean 1069.10 vs 1067.40 ms, KV Thrashing Rate 0 = 0. Without
+  `warm_fresh` (`warm_fresh=False`, the model before session g03b): requests 0-94 exact, 99/600,
+  hit rate 0.6834, TTFT mean 35.17 ms, E2E mean 1069.16 ms; G04 the same either way. Without the
+  legacy mirror as well (`legacy_mirror=False`, the jitted engine's model before its port: 0-81
+  exact, 82 in all, hit rate 0.6832, TTFT mean 34.57 ms, E2E mean 1067.98 ms).
 * G04: requests 0-36 exact, 39/600 in all; hit rate 0.6699 vs 0.6688, TTFT mean 44.29 vs
   42.47 ms, E2E mean 1071.69 vs 1070.02 ms (with the completion poll below; without it 44.47 and
   1071.87 ms), KV Thrashing Rate 0 vs 0.0055 (BLIS refuses ~1 of
@@ -132,7 +132,7 @@ Known departures (first divergences):
   The same window for request 101 without the hold opens at request 77's lookup (its reload
   re-keyed all 27 of its own blocks). (Before the mirror: request 84, deferred two steps by
   BLIS; before the hold: request 101.)
-  Found (session g03b), opt-in as `warm_fresh`: after a warm load the admission does not reload.
+  Found (session g03b), `warm_fresh` (the default): after a warm load the admission does not reload.
   Its chunk gets fresh blocks at their own positions, registered under their real keys. That
   replaces the map entries of blocks that still hold those keys (request 84, chunk from 0: all of
   sys-7's 64 keys move to its new blocks). The blocks the offload tier continued count as hits.
@@ -328,10 +328,10 @@ def service_us(tier: Tier, nbytes: int, read: bool, depth: int = 1, rng=None) ->
 
 class OffloadKVCache(KVCache):
     def __init__(self, total_blocks: int, block_size: int, cfg: OffloadConfig, seed: int = 42,
-                 legacy_mirror: bool = True, warm_fresh: bool = False):
+                 legacy_mirror: bool = True, warm_fresh: bool = True):
         super().__init__(total_blocks, block_size)
         self.legacy_mirror = legacy_mirror
-        self.warm_fresh = warm_fresh         # see the module docstring (session g03b): not the default yet   # False: the model before the mirror (the jitted engine's before its port)
+        self.warm_fresh = warm_fresh         # see the module docstring (session g03b); False: the model before it
         from blis_jax.rng.streams import PartitionedRNG
         self.rng = PartitionedRNG(seed).for_subsystem("kv-offload")   # per instance (blis-rng §10.3)
         self.oc = cfg
@@ -577,7 +577,7 @@ class OffloadKVCache(KVCache):
 
 class OffloadEngine(ReferenceEngine):
     def __init__(self, requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
-                 legacy_mirror: bool = True, warm_fresh: bool = False):
+                 legacy_mirror: bool = True, warm_fresh: bool = True):
         super().__init__(requests, cfg, lat, record_steps)
         self.kv = OffloadKVCache(cfg.total_kv_blocks, cfg.block_size, offload, seed, legacy_mirror, warm_fresh)
         for r in self.reqs:
@@ -687,6 +687,6 @@ class OffloadEngine(ReferenceEngine):
 
 
 def simulate_offload(requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
-                     legacy_mirror: bool = True, warm_fresh: bool = False):
+                     legacy_mirror: bool = True, warm_fresh: bool = True):
     eng = OffloadEngine(requests, cfg, lat, offload, seed, record_steps, legacy_mirror, warm_fresh)
     return eng.run(), eng.kv

@@ -212,7 +212,8 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         scanned = on
         if dims.offload:
             # deferred for a promotion read in flight, or one just submitted: passed over
-            state, skipped, promoted = offload.before_admission(state, dims, params, req, r, n_hit, on_gpu, on)
+            state, skipped, promoted, warm, cpu_run = offload.before_admission(state, dims, params, req, r, n_hit,
+                                                                               on_gpu, on)
             on = on & ~skipped
         start = jnp.where(prefilled, req.input_len[r], n_hit * bs)
         n = first_chunk(params, req, r, start, budget, prefilled)
@@ -228,7 +229,8 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
             # the reload (cpu_tier.reload), at most the blocks the chunk reaches; the chunk's
             # tokens past that prefix get new blocks.
             state, blocks, n_cached, n_reload, lost = cpu_tier.reload(
-                state, dims, params, req, r, n_hit, cached, on_gpu, on & ~prefilled & (n > 0) & lora_ok,
+                state, dims, params, req, r, n_hit, cached, on_gpu,
+                on & ~prefilled & (n > 0) & lora_ok & (~warm if dims.offload else True),
                 fresh=promoted if dims.offload else False)
             reloaded = n_reload > 0
             if dims.offload:
@@ -271,6 +273,11 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         if dims.cpu_blocks:
             state = dataclasses.replace(state, row_ahead=state.row_ahead.at[at_row].set(ahead, mode="drop"),
                                         kv_hits=state.kv_hits + jnp.where(admit, lost, 0))
+        if dims.offload:
+            # after a warm load (no reload: fresh blocks) the blocks the staging tier continued
+            # count as hits, up to the chunk's end
+            warm_hits = jnp.where(admit & warm & ~prefilled & (n > 0),
+                                  jnp.minimum(cpu_run, (start + n + bs - 1) // bs - n_hit), 0)
         state = dataclasses.replace(
             state,
             row_req=state.row_req.at[at_row].set(r, mode="drop"),
@@ -288,6 +295,7 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
         )
         state = kv.allocate_rows(state, dims, req, row[None], n_alloc[None], admit[None], params.total_kv_blocks)
         if dims.offload:
+            state = dataclasses.replace(state, kv_hits=state.kv_hits + warm_hits, kv_misses=state.kv_misses - warm_hits)
             state = offload.take(state, dims, r, from_front, cursor, admit)
         else:
             state = waitqueue.pop_head(state, dims, admit)

@@ -301,6 +301,14 @@ def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active, fr
     # block by block): reload i pops the free list's i-th block.
     on_gpu = hit & ~(state.block_free[jnp.maximum(cand, 0)] & (kv.free_rank(state, dims, params.total_kv_blocks, cand)
                                                               < j - n_hit))
+    if dims.offload:
+        # ... or any free block holding its key (a stale copy): popping it deletes the key's map
+        # entry (kv.pop_blocks)
+        every = jnp.arange(dims.kv_blocks)
+        rank = jnp.where(state.block_free & (state.block_key >= 0),
+                         kv.free_rank(state, dims, params.total_kv_blocks, every), BIG)
+        first = jnp.min(jnp.where(state.block_key[None, :] == keys[:, None], rank[None, :], BIG), axis=1)
+        on_gpu = on_gpu & ~(first < j - n_hit)
     want = on_cpu(state, keys, fresh) & ~on_gpu & (j < n_full)
     run = jnp.sum(jnp.cumprod(jnp.where(j >= n_hit, want, True).astype(jnp.int32)) * (j >= n_hit))
     run = jnp.where(active, jnp.minimum(run, state.free_count), 0).astype(jnp.int64)
@@ -310,7 +318,7 @@ def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active, fr
     misses = state.kv_misses
     state, ids = kv.pop_blocks(state, dims, run, params.total_kv_blocks, m)
     live = j < run
-    state = kv.register_full_blocks(state, dims, req, jnp.broadcast_to(r, (m,)), ids, n_hit + j, live)
+    state = kv.register_full_blocks(state, dims, req, jnp.broadcast_to(r, (m,)), ids, n_hit + j, live, popped=live)
     state = kv.push_free(state, dims, ids, live)
     state = dataclasses.replace(state, kv_misses=misses,
                                 cpu_pending_us=state.cpu_pending_us + run * params.cpu.reload_us)
@@ -318,5 +326,8 @@ def reload(state, dims: EngineDims, params, req, r, n_hit, cand, hit, active, fr
     k = jnp.clip(j - n_hit, 0, m - 1)
     blocks = jnp.where((j >= n_hit) & (j < n_hit + run), ids[k], cand)
     ok = (j < n_full) & (blocks >= 0) & (state.block_key[jnp.maximum(blocks, 0)] == keys)
+    if dims.offload:   # and still in the map (the reload's pops may have deleted the entry)
+        mapped = state.group_block[jnp.maximum(req.prefix_group[r], 0), jnp.minimum(j, dims.prefix_blocks - 1)]
+        ok = ok & ((j >= req.shared_blocks[r]) | (mapped == blocks))
     n_cached = jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int64)
     return state, blocks, n_cached, run, lost

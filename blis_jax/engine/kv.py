@@ -131,6 +131,15 @@ def pop_blocks(state: EngineState, dims: EngineDims, count, total_kv_blocks, max
     ids, _, head, state = masked_while(cond, body, (ids, jnp.int64(0), state.ring_head, state), (need, n_fresh))
     live = slot < count
     target = jnp.where(live, ids, dims.kv_blocks)
+    if dims.offload:
+        # Go deletes a reused block's key from the map by the block's own key, even when the key
+        # maps to another block now (a warm load's fresh chunk leaves such stale copies, offload.py)
+        old = state.block_key[jnp.maximum(ids, 0)].astype(jnp.int64)
+        grouped = live & (old >= 0) & (old < dims.prefix_groups * dims.prefix_blocks)
+        state = dataclasses.replace(state, group_block=state.group_block.at[
+            jnp.where(grouped, old // dims.prefix_blocks, dims.prefix_groups), old % dims.prefix_blocks
+        ].set(-1, mode="drop"), off=dataclasses.replace(
+            state.off, popped_key=state.off.popped_key.at[target].set(jnp.where(live, old, -1), mode="drop")))
     state = dataclasses.replace(
         state,
         ring_head=head,
@@ -196,14 +205,21 @@ def unique_key(dims: EngineDims, r, j):
 
 
 def register_full_blocks(state: EngineState, dims: EngineDims, req: RequestArrays, r, blocks, block_index, full,
-                         unique=None):
+                         unique=None, popped=None):
     """Give content keys to blocks that just became full (vectors of equal length); `unique`
-    ones get `unique_key`."""
+    ones get `unique_key`. `popped`: the blocks just popped, in pop order (an offload chain)."""
     keys = content_key(dims, req, r, block_index)
     shared = full & (block_index < req.shared_blocks[r])
     if unique is not None:   # a CPU tier (else nothing of this is traced)
         keys = jnp.where(unique, unique_key(dims, r, block_index), keys)
         shared = shared & ~unique
+    if dims.offload and popped is not None:
+        # BLIS pops and keys blocks one by one: a block popped later whose old key is one
+        # registered here deletes that map entry again (pop_blocks)
+        old = state.off.popped_key[jnp.maximum(blocks, 0)]
+        i = jnp.arange(blocks.shape[0])
+        later = popped[None, :] & (i[None, :] > i[:, None]) & (old[None, :] == keys[:, None])
+        shared = shared & ~jnp.any(later, axis=1)
     target = jnp.where(full, blocks, dims.kv_blocks)
     group = req.prefix_group[r]
     group_block = state.group_block.at[
@@ -305,7 +321,7 @@ def _allocate_rows(state: EngineState, dims: EngineDims, req: RequestArrays, row
     keyed = (offset == 0) if unique is None else (offset == 0) | unique
     full_new = live & keyed[owner] & ((block_index + 1) * bs <= new_kv[owner])
     state = register_full_blocks(state, dims, req, r[owner], ids, block_index, full_new,
-                                 None if unique is None else unique[owner])
+                                 None if unique is None else unique[owner], popped=live)
     was_partial = active & keyed & (nblocks > 0) & (nblocks * bs > kv)
     now_full = was_partial & (nblocks * bs <= new_kv)
     # Read from the updated table (same values): a read of the old one after the update makes

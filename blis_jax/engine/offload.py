@@ -22,7 +22,11 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
   run is already coming in by another request's read, no read is submitted (no draw, no attempt):
   the request joins it (a station-less job, tier -2, finishing with those reads). Admission then
   sizes the chunk from the GPU-cached prefix and reloads the CPU continuation as the legacy tier
-  does (cpu_tier.reload), free of step time.
+  does (cpu_tier.reload), free of step time; after a warm load it does not reload: the chunk gets
+  fresh blocks at their own positions under their real keys (taking the map entries of blocks
+  still holding them), and the blocks the staging tier continued count as hits. Reusing a block
+  then drops its key's map entry even when the key maps to another block (kv.pop_blocks: Go's
+  delete by the block's own key), so popping such a stale copy unmaps the live block.
 * The legacy mirror (BLIS's `--kv-cpu-blocks` store, kept beside the chain with the staging tier's
   capacity, own slots `mir_*`): after each step the running requests' full prompt blocks, by their
   GPU blocks' keys, are stored or touched (LRU, cpu_tier.lru_pass). Synchronous reloads come from
@@ -65,7 +69,8 @@ from blis_jax.errors import ConfigError
 
 READ, WRITE = 0, 1
 # promotion state of a request
-NO_PROMOTION, PROMOTING, PROMOTED = 0, 1, 2
+# WARM_LOADED: a warm (async CPU) load done; its admission takes fresh blocks instead of reloading
+NO_PROMOTION, PROMOTING, PROMOTED, WARM_LOADED = 0, 1, 2, 3
 
 
 class OffloadParams(eqx.Module):
@@ -93,7 +98,7 @@ class OffloadState(eqx.Module):
     job_tier: Int32[Array, " J"]
     job_write: Bool[Array, " J"]
     job_item: Int64[Array, " J"]  # a write's content key, a read's request
-    promo: Int32[Array, " N"]  # NO_PROMOTION / PROMOTING / PROMOTED
+    promo: Int32[Array, " N"]  # NO_PROMOTION / PROMOTING / PROMOTED / WARM_LOADED
     stored: Int64[Array, " N"]  # vLLM's next block index to store, per request
     taken: Bool[Array, " W"]  # FIFO wait-queue entries admitted out of order (the skip-scan)
     draw_pos: Int64[Array, ""]
@@ -118,6 +123,8 @@ class OffloadState(eqx.Module):
     block_job: Int32[Array, " B"]
     block_seq: Int64[Array, " B"]
     hold_tick: Int64[Array, ""]
+    # each GPU block's key before its last reuse (kv.pop_blocks / kv.register_full_blocks)
+    popped_key: Int64[Array, " B"]
 
 
 # ----------------------------------------------------------------------------- host side
@@ -222,6 +229,7 @@ def init_state(dims: EngineDims, params: OffloadParams) -> OffloadState:
         block_job=jnp.full(dims.kv_blocks, -1, jnp.int32),
         block_seq=jnp.zeros(dims.kv_blocks, jnp.int64),
         hold_tick=i64(0),
+        popped_key=jnp.full(dims.kv_blocks, -1, jnp.int64),
     )
 
 
@@ -282,7 +290,8 @@ def poll(state, dims: EngineDims, active, now=None, warm=True):
     slot_ref = off.slot_ref.at[jnp.where(writes & (slot >= 0), slot, dims.cpu_blocks)].add(-1, mode="drop")
     arrived = (off.slot_job >= 0) & reads[jnp.maximum(off.slot_job, 0)]
     slot_ref = jnp.where(arrived & (slot_ref == -1), 0, slot_ref)
-    promo = off.promo.at[jnp.where(reads, off.job_item, dims.num_requests)].set(PROMOTED, mode="drop")
+    promo = off.promo.at[jnp.where(reads, off.job_item, dims.num_requests)].set(
+        jnp.where(off.job_tier == -1, WARM_LOADED, PROMOTED).astype(jnp.int32), mode="drop")
     # a warm load's held GPU blocks go back to the free list's tail, empty, in the order taken
     released = (off.block_job >= 0) & done[jnp.maximum(off.block_job, 0)]
     state = _release_held(state, dims, released)
@@ -559,7 +568,7 @@ def before_admission(state, dims: EngineDims, params, req, r, n_hit, on_gpu, act
     blocks the GPU holds): deferred while its async load is in flight; deferred as a warm load when
     the staging tier continues the prefix further than the legacy mirror; a promotion submitted (and
     r deferred) when its prefix continues, past the blocks on CPU, on a secondary tier. Returns
-    (state, skipped, loaded earlier)."""
+    (state, skipped, loaded earlier, warm-loaded earlier, the staging tier's run past the GPU prefix)."""
     off = state.off
     p = off.promo[r]
     deferred = active & (p == PROMOTING)
@@ -592,7 +601,7 @@ def before_admission(state, dims: EngineDims, params, req, r, n_hit, on_gpu, act
     off = state.off
     return dataclasses.replace(state, off=dataclasses.replace(
         off, promo=off.promo.at[jnp.where(proceeds, r, dims.num_requests)].set(NO_PROMOTION, mode="drop"))), \
-        skipped, proceeds & (p == PROMOTED)
+        skipped, proceeds & (p >= PROMOTED), proceeds & (p == WARM_LOADED), cpu_run
 
 
 def after_reload(state, dims: EngineDims, req, r, n_hit, n_reload):
