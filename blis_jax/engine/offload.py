@@ -519,34 +519,24 @@ def _warm_load(state, dims: EngineDims, params, r, n_hold, active):
     """Defer r as a warm load (vLLM load_async): a job ready at the next step's poll (finish now + 1;
     tier -1: no station) holding `n_hold` GPU blocks from the free-list head, keys dropped, until
     that poll (poll / _release_held). Returns (state, deferred)."""
-    off = state.off
-    job = jnp.argmax(off.job_finish == INF_TIME)
-    overflow = active & (off.job_finish[job] != INF_TIME)
-    go = active & ~overflow
-    at = jnp.where(go, job, dims.offload_jobs)
+    state, job, go = _stationless_job(state, dims, r, state.now + 1, -1, active)
     misses = state.kv_misses
     n = jnp.where(go, jnp.minimum(n_hold, state.free_count), 0)
     state, ids = kv.pop_blocks(state, dims, n, params.total_kv_blocks, dims.blocks_per_request)
     live = jnp.arange(dims.blocks_per_request) < n
     held = jnp.where(live, ids, dims.kv_blocks)
+    off = state.off
     off = dataclasses.replace(
         off,
-        job_finish=off.job_finish.at[at].set(state.now + 1, mode="drop"),
-        job_tier=off.job_tier.at[at].set(-1, mode="drop"),
-        job_write=off.job_write.at[at].set(False, mode="drop"),
-        job_item=off.job_item.at[at].set(r.astype(jnp.int64), mode="drop"),
-        promo=off.promo.at[jnp.where(go, r, dims.num_requests)].set(PROMOTING, mode="drop"),
         block_job=off.block_job.at[held].set(job.astype(jnp.int32), mode="drop"),
         block_seq=off.block_seq.at[held].set(off.hold_tick + jnp.arange(dims.blocks_per_request), mode="drop"),
         hold_tick=off.hold_tick + n, warm_loads=off.warm_loads + go)
-    return dataclasses.replace(state, off=off, kv_misses=misses,
-                               result=state.result | jnp.where(overflow, results.OFFLOAD_FULL, 0).astype(jnp.int32)), go
+    return dataclasses.replace(state, off=off, kv_misses=misses), go
 
 
-def _join(state, dims: EngineDims, r, finish, active):
-    """Defer r on blocks another request's read is bringing in (no read, no draw, no attempt): a
-    job of no station (tier -2) finishing with the last of those reads, so that the poll reporting
-    them reports r ready. Returns (state, joined)."""
+def _stationless_job(state, dims: EngineDims, r, finish, tier, active):
+    """A job of no station (`tier` -1: a warm load, -2: a joined read) for request r, finishing at
+    `finish`; r is then PROMOTING. No free job slot is OFFLOAD_FULL. Returns (state, job, taken)."""
     off = state.off
     job = jnp.argmax(off.job_finish == INF_TIME)
     overflow = active & (off.job_finish[job] != INF_TIME)
@@ -555,12 +545,21 @@ def _join(state, dims: EngineDims, r, finish, active):
     off = dataclasses.replace(
         off,
         job_finish=off.job_finish.at[at].set(finish, mode="drop"),
-        job_tier=off.job_tier.at[at].set(-2, mode="drop"),
+        job_tier=off.job_tier.at[at].set(tier, mode="drop"),
         job_write=off.job_write.at[at].set(False, mode="drop"),
         job_item=off.job_item.at[at].set(r.astype(jnp.int64), mode="drop"),
         promo=off.promo.at[jnp.where(go, r, dims.num_requests)].set(PROMOTING, mode="drop"))
     return dataclasses.replace(state, off=off,
-                               result=state.result | jnp.where(overflow, results.OFFLOAD_FULL, 0).astype(jnp.int32)), go
+                               result=state.result | jnp.where(overflow, results.OFFLOAD_FULL, 0).astype(jnp.int32)), \
+        job, go
+
+
+def _join(state, dims: EngineDims, r, finish, active):
+    """Defer r on blocks another request's read is bringing in (no read, no draw, no attempt): a
+    job of no station (tier -2) finishing with the last of those reads, so that the poll reporting
+    them reports r ready. Returns (state, joined)."""
+    state, _, go = _stationless_job(state, dims, r, finish, -2, active)
+    return state, go
 
 
 def before_admission(state, dims: EngineDims, params, req, r, n_hit, on_gpu, active):
