@@ -9,8 +9,10 @@ default examples finish in well under a minute; `-m slow` runs many more.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -39,6 +41,16 @@ MANY = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCh
 HUGE = st.sampled_from([2**31, 2**40 + 1, 2**53 + 1, 2**62, 2**63 - 1, 2**63, 2**64, 10**30])
 BAD_TEXT = st.sampled_from(["", "-1", "1.5", "nan", "inf", "1e9", "abc", "true", " 7", "0x10", "١٢", "x" * 3000])
 SMALL = st.integers(0, 64)
+
+
+# Every example's files live under one directory per test process, removed when it exits (an
+# example per directory: hypothesis runs hundreds, and mkdtemp alone left them all in /tmp).
+_SCRATCH_ROOT = tempfile.mkdtemp(prefix="blis-prop-")
+atexit.register(shutil.rmtree, _SCRATCH_ROOT, ignore_errors=True)
+
+
+def _scratch() -> Path:
+    return Path(tempfile.mkdtemp(prefix="case-", dir=_SCRATCH_ROOT))
 
 
 def _mostly(valid: st.SearchStrategy, hostile: st.SearchStrategy, one_in: int = 6) -> st.SearchStrategy:
@@ -96,7 +108,7 @@ def _contract(tmp: Path, argv: list, inputs: list[Path]) -> int:
 
 
 def _replay_case(rows, header_text, bom, drop_column, mutation=None):
-    tmp = Path(tempfile.mkdtemp(prefix="blis-prop-"))
+    tmp = _scratch()
     if mutation is not None and rows:
         row, column, value = mutation
         rows = [dict(r) for r in rows]
@@ -152,7 +164,7 @@ def test_generated_specs_keep_the_contract_more_examples(num_requests, seed, rat
 
 
 def _spec_contract(num_requests, seed, rate, value, extra):
-    tmp = Path(tempfile.mkdtemp(prefix="blis-prop-"))
+    tmp = _scratch()
     spec = tmp / "s.yaml"
     spec.write_text(
         f"version: '2'\nseed: {json.dumps(seed)}\ncategory: language\naggregate_rate: {json.dumps(rate)}\n"
@@ -173,7 +185,7 @@ AXIS_VALUES = st.lists(st.one_of(st.integers(-3, 10**6), HUGE, st.sampled_from([
        base=st.dictionaries(st.sampled_from(["num-requests", "rate", "model", "hardware"]),
                             st.one_of(SMALL, HUGE, st.sampled_from(["", "H100", "x" * 500, None])), max_size=2))
 def test_generated_grids_load_or_fail_with_one_short_line(axes, base):
-    tmp = Path(tempfile.mkdtemp(prefix="blis-prop-"))
+    tmp = _scratch()
     grid = tmp / "g.yaml"
     grid.write_text(json.dumps({"base": base, "axes": axes}))
     try:
@@ -203,7 +215,7 @@ FLAG_VALUE = {**{f: st.one_of(s.map(str), HOSTILE_FLAG) for f, s in FREE_FLAGS.i
 @given(flags=st.lists(st.sampled_from(sorted(FLAG_VALUE)), min_size=1, max_size=3, unique=True).flatmap(
     lambda names: st.fixed_dictionaries({n: FLAG_VALUE[n] for n in names})))
 def test_generated_flag_values_keep_the_contract(flags):
-    tmp = Path(tempfile.mkdtemp(prefix="blis-prop-"))
+    tmp = _scratch()
     base = {"--num-requests": "3", "--total-kv-blocks": "4096", "--prompt-tokens": "32", "--prompt-tokens-stdev": "0",
             "--output-tokens": "4", "--output-tokens-stdev": "0", "--prompt-tokens-max": "64",
             "--output-tokens-max": "16"}
@@ -224,7 +236,7 @@ def test_many_generated_traces_keep_the_contract(rows, header_text, bom, drop_co
 def test_coefficients_helper_file_is_valid():
     """The fixtures the properties start from are themselves accepted (a property that only
     ever sees errors would prove nothing)."""
-    tmp = Path(tempfile.mkdtemp(prefix="blis-prop-"))
+    tmp = _scratch()
     (tmp / "c.yaml").write_text(COEFFS)
     rows = [trace_row(request_id=i, arrival_time_us=10**6 * (i + 1)) for i in range(2)]
     tmp2, argv, inputs = _replay_case(rows, TRACE_HEADER, False, None)
