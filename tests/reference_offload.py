@@ -9,6 +9,30 @@ gives this reference's run (the default, `legacy_mirror=True`, `warm_fresh=True`
 
 Agreement today (tests/test_reference_offload.py::test_offload_reference_against_blis):
 
+* `promoted_lru=True` (session stop 37; eager reference only, not yet the default: the jitted engine
+  does not have it): G03 requests 0-161 exact, 162/600 (default: 112, 0-109); hit rate 0.6847 vs
+  0.6856, TTFT mean 33.93 vs 33.56 ms, E2E mean 1068.10 vs 1067.40 ms. G04: 39/600, 0-36 as before;
+  hit rate 0.6709 vs 0.6688 (default 0.6699), TTFT mean 43.87 vs 42.47 ms (44.29), E2E mean
+  1071.17 vs 1070.02 ms (1071.69); 148 promotions and 15 warm loads (default 162 and 4).
+  Found by forcing request 120 late (the completion poll's conflict) and reading BLIS's admissions
+  against this model's: every promotion of a group promoted before is admitted one step earlier in
+  BLIS (3 steps after submission, not 4), in G03 seventeen of them with or without a completion in
+  the read's last step (114 was the first: the completion poll had fitted it by chance; 120, a
+  first promotion, is not early), and warm loads of 64 blocks take one step more than loads of
+  25-27 (requests 135, 143, 151, 156, 168 against 84 and 116). The model: the keys a promotion
+  read brought in stay findable as CPU-tier continuations in an LRU of their own of the CPU
+  tier's capacity (stores never evict them; with a whole-run set instead G04's TTFT mean falls to
+  36.6 ms and its promotions to 23 where BLIS counts ~181 attempts; with half the capacity G03
+  falls back to 136); a later lookup finds them and loads asynchronously (a warm load, holding no
+  GPU blocks when only promoted keys come: holding them takes request 115's cached prefix); a warm
+  load of n blocks is reported at the first poll at least n x 180 us after its submission (G03
+  bounds it to 140-233 us a block: 64 blocks wait two polls over steps of up to 8.94 ms, 27 one
+  over 7.05 ms); the completion poll is dropped. What BLIS structure this is was not found (a
+  CPU-tier copy kept outside the LRU order, pinned by a load never completed, would fit G03 but
+  fills G04's 512-block tier: 102 refusals).
+  Next G03 divergence: request 172 (17.31 s, sys-13, a promotion of 36 blocks here) admitted 3
+  steps earlier by BLIS.
+
 * G03: requests 0-109 exact (TTFT and E2E), 112/600 in all; cache hit rate 0.6839 vs 0.6856,
   TTFT mean 35.01 vs 33.56 ms, E2E mean 1069.10 vs 1067.40 ms, KV Thrashing Rate 0 = 0. Without
   `warm_fresh` (`warm_fresh=False`, the model before session g03b): requests 0-94 exact, 99/600,
@@ -328,7 +352,7 @@ def service_us(tier: Tier, nbytes: int, read: bool, depth: int = 1, rng=None) ->
 
 class OffloadKVCache(KVCache):
     def __init__(self, total_blocks: int, block_size: int, cfg: OffloadConfig, seed: int = 42,
-                 legacy_mirror: bool = True, warm_fresh: bool = True):
+                 legacy_mirror: bool = True, warm_fresh: bool = True, promoted_lru: bool = False):
         super().__init__(total_blocks, block_size)
         self.legacy_mirror = legacy_mirror
         self.warm_fresh = warm_fresh         # see the module docstring (session g03b); False: the model before it
@@ -337,6 +361,10 @@ class OffloadKVCache(KVCache):
         self.oc = cfg
         self.cap = cfg.cpu_blocks
         self.cpu: OrderedDict = OrderedDict()          # key -> ref count, least recently used first
+        # `promoted_lru` (session stop 37): the keys promotion reads brought in, in an LRU of the CPU
+        # tier's capacity of their own (stores never evict them), found as CPU-tier continuations
+        self.promoted_lru = promoted_lru
+        self.promoted: OrderedDict = OrderedDict()
         # the legacy CPU tier's mirror (reference_tiered.TieredKVCache.mirror) of the same capacity:
         # the only source of synchronous reloads; a hit the offload tier alone holds loads async
         self.mirror_keys: OrderedDict = OrderedDict()  # GPU block key -> None, least recently used first
@@ -382,9 +410,14 @@ class OffloadKVCache(KVCache):
         bs, n = self.bs, 0
         while j + n < req.input_len // bs:
             k = self.block_key(req, j + n, bs)
-            if self.cpu.get(k, -1) < 0 or k in self.by_hash:
+            if not self.on_cpu(k) or k in self.by_hash:
                 break
             n += 1
+        req.warm_blocks = n
+        # a load only of promoted keys holds no GPU blocks (G03 request 115: holding 114's 64 takes
+        # its cached prefix)
+        if self.promoted_lru and all(self.cpu.get(self.block_key(req, j + i, bs), -1) < 0 for i in range(n)):
+            n = 0
         held = []
         for _ in range(min(n, len(self.free))):
             b = self.free.popitem(last=False)[0]
@@ -480,13 +513,23 @@ class OffloadKVCache(KVCache):
                     if self.cpu.get(k) == -1:
                         self.cpu[k] = 0
                 r.promo_done = True
+                if self.promoted_lru:
+                    for k in keys:
+                        self.promoted[k] = None
+                        self.promoted.move_to_end(k)
+                    while len(self.promoted) > self.cap:
+                        self.promoted.popitem(last=False)
 
     # -- lookups past the GPU-cached prefix
+    def on_cpu(self, k) -> bool:
+        """On the offload CPU tier (ready), or, with `promoted_lru`, among the promoted keys."""
+        return self.cpu.get(k, -1) >= 0 or k in self.promoted
+
     def cpu_run(self, req, j: int) -> list:
         out = []
         while j < req.input_len // self.bs:
             k = self.block_key(req, j, self.bs)
-            if self.cpu.get(k, -1) < 0:
+            if not self.on_cpu(k):
                 break
             out.append(k)
             j += 1
@@ -577,9 +620,12 @@ class OffloadKVCache(KVCache):
 
 class OffloadEngine(ReferenceEngine):
     def __init__(self, requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
-                 legacy_mirror: bool = True, warm_fresh: bool = True):
+                 legacy_mirror: bool = True, warm_fresh: bool = True, promoted_lru: bool = False):
         super().__init__(requests, cfg, lat, record_steps)
-        self.kv = OffloadKVCache(cfg.total_kv_blocks, cfg.block_size, offload, seed, legacy_mirror, warm_fresh)
+        self.kv = OffloadKVCache(cfg.total_kv_blocks, cfg.block_size, offload, seed, legacy_mirror, warm_fresh,
+                                 promoted_lru)
+        self.promoted_lru = promoted_lru
+        self.completion_poll = not promoted_lru     # promoted_lru explains request 114 without it
         for r in self.reqs:
             r.promo = False        # a promotion read in flight for it
             r.promo_done = False
@@ -589,6 +635,7 @@ class OffloadEngine(ReferenceEngine):
             r.warm_loaded = False
             r.join_keys = None     # the blocks another request's read brings in, when it joined it
             r.warm_async = False   # deferred for a warm (async CPU) load
+            r.warm_blocks = 0      # the blocks that load brings in
 
     def _after_execution(self) -> None:
         now = self.clock
@@ -608,11 +655,22 @@ class OffloadEngine(ReferenceEngine):
             kv.mirror(self.running)
         self._report_warm_loads(now)
 
+    # with `promoted_lru`, a warm load of n blocks is reported at the first poll at least
+    # n x WARM_LOAD_US_PER_BLOCK after its submission: G03's loads of 25-27 blocks take one step,
+    # those of 64 two (steps of 7.5-8.9 ms), which bounds it to 140-233 us per block
+    WARM_LOAD_US_PER_BLOCK = 180
+
+    def _warm_load_done(self, r, now: int) -> bool:
+        if self.promoted_lru:
+            return r.warm_at + max(r.warm_blocks, 1) * self.WARM_LOAD_US_PER_BLOCK <= now
+        return r.warm_at < now
+
     def _report_warm_loads(self, now: int) -> None:
-        """A warm load is reported finished at the first poll after the step it was submitted in;
-        the blocks it held go back empty (the admission reloads into the free list's head)."""
+        """A warm load is reported finished at the first poll after the step it was submitted in
+        (with `promoted_lru`: at the first poll past its duration); the blocks it held go back
+        empty (the admission reloads into the free list's head)."""
         for r in self.wait:
-            if r.warm_at is not None and r.warm_at < now and not r.promo_done:
+            if r.warm_at is not None and self._warm_load_done(r, now) and not r.promo_done:
                 r.promo_done = True
                 self.kv.release_held(r.held)
                 r.held = []
@@ -621,13 +679,12 @@ class OffloadEngine(ReferenceEngine):
                 r.promo_done = True
                 r.join_keys = None
 
-    # a step in which requests complete polls the stations again at its end (BLIS's request-left
-    # path): G03 request 114's read, done inside the step in which request 102 completes, is
+    # (without `promoted_lru`) a step in which requests complete polls the stations again at its
+    # end (BLIS's request-left path): G03 request 114's read, done inside the step in which request 102 completes, is
     # admitted at the next step, one step earlier than the ten reads before it (48-112), each done
     # inside a step without completions (their finishes fall 2.1-4.7 ms into that step, 114's 2.8).
     # Warm loads keep to the next step's poll (blis-features §2.10: warm hits >= 2 steps; G03/G04
     # agree as well either way)
-    completion_poll = True
 
     def _after_completions(self, end: int, done: list) -> None:
         if done and self.completion_poll:
@@ -687,6 +744,6 @@ class OffloadEngine(ReferenceEngine):
 
 
 def simulate_offload(requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
-                     legacy_mirror: bool = True, warm_fresh: bool = True):
-    eng = OffloadEngine(requests, cfg, lat, offload, seed, record_steps, legacy_mirror, warm_fresh)
+                     legacy_mirror: bool = True, warm_fresh: bool = True, promoted_lru: bool = False):
+    eng = OffloadEngine(requests, cfg, lat, offload, seed, record_steps, legacy_mirror, warm_fresh, promoted_lru)
     return eng.run(), eng.kv
