@@ -162,7 +162,7 @@ OFFLOAD_GAPS = {
     "G03": ("the offload chain's later step times (issue #24): 112 of 600 requests exact (0-109 in a row); "
             "first divergence request 120: its promotion read finishes inside a step in which request 114 "
             "completes, and BLIS admits it a step later than the completion poll does (tests/reference_offload.py; "
-            "its `promoted_lru` option, which the engine lacks, explains both and holds to request 161). "
+            "its `promoted_lru` option, which the engine lacks, explains both and holds to request 186). "
             "Cache hit rate 0.6839 vs 0.6856, TTFT mean +4.3 %"),
     "G04": ("the offload chain's jitter draws (issue #24): 39 of 600 requests exact; request 50's promotion read "
             "finishes a step early (jitter factor 1.27 drawn, BLIS's needs 1.34-1.51: a different count of "

@@ -10,8 +10,8 @@ gives this reference's run (the default, `legacy_mirror=True`, `warm_fresh=True`
 Agreement today (tests/test_reference_offload.py::test_offload_reference_against_blis):
 
 * `promoted_lru=True` (session stop 37; eager reference only, not yet the default: the jitted engine
-  does not have it): G03 requests 0-161 exact, 162/600 (default: 112, 0-109); hit rate 0.6847 vs
-  0.6856, TTFT mean 33.93 vs 33.56 ms, E2E mean 1068.10 vs 1067.40 ms. G04: 39/600, 0-36 as before;
+  does not have it): G03 requests 0-186 exact, 189/600 (default: 112, 0-109); hit rate 0.6846 vs
+  0.6856, TTFT mean 33.80 vs 33.56 ms, E2E mean 1067.97 vs 1067.40 ms. G04: 39/600, 0-36 as before;
   hit rate 0.6709 vs 0.6688 (default 0.6699), TTFT mean 43.87 vs 42.47 ms (44.29), E2E mean
   1071.17 vs 1070.02 ms (1071.69); 148 promotions and 15 warm loads (default 162 and 4).
   Found by forcing request 120 late (the completion poll's conflict) and reading BLIS's admissions
@@ -25,13 +25,14 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
   36.6 ms and its promotions to 23 where BLIS counts ~181 attempts; with half the capacity G03
   falls back to 136); a later lookup finds them and loads asynchronously (a warm load, holding no
   GPU blocks when only promoted keys come: holding them takes request 115's cached prefix); a warm
-  load of n blocks is reported at the first poll at least n x 180 us after its submission (G03
-  bounds it to 140-233 us a block: 64 blocks wait two polls over steps of up to 8.94 ms, 27 one
-  over 7.05 ms); the completion poll is dropped. What BLIS structure this is was not found (a
+  load of n blocks is reported at the first poll at least n x 180 us (promoted keys only; G03 bounds
+  it to 140-233 us) or n x 129 us (from the CPU tier; 128.7-130.8 us) after its submission; the
+  completion poll is dropped; and blocks the legacy mirror continues are reloaded, not promoted
+  (request 172: GPU prefix 48 blocks, the mirror 16 more, the offload CPU tier none; without this
+  rule 162 exact, 0-161). What BLIS structure this is was not found (a
   CPU-tier copy kept outside the LRU order, pinned by a load never completed, would fit G03 but
   fills G04's 512-block tier: 102 refusals).
-  Next G03 divergence: request 172 (17.31 s, sys-13, a promotion of 36 blocks here) admitted 3
-  steps earlier by BLIS.
+  Next G03 divergence: requests 202 and 203 (20.47 s), a step 835 us longer here.
 
 * G03: requests 0-109 exact (TTFT and E2E), 112/600 in all; cache hit rate 0.6839 vs 0.6856,
   TTFT mean 35.01 vs 33.56 ms, E2E mean 1069.10 vs 1067.40 ms, KV Thrashing Rate 0 = 0. Without
@@ -414,9 +415,11 @@ class OffloadKVCache(KVCache):
                 break
             n += 1
         req.warm_blocks = n
+        req.warm_promoted_only = self.promoted_lru and all(
+            self.cpu.get(self.block_key(req, j + i, bs), -1) < 0 for i in range(n))
         # a load only of promoted keys holds no GPU blocks (G03 request 115: holding 114's 64 takes
         # its cached prefix)
-        if self.promoted_lru and all(self.cpu.get(self.block_key(req, j + i, bs), -1) < 0 for i in range(n)):
+        if req.warm_promoted_only:
             n = 0
         held = []
         for _ in range(min(n, len(self.free))):
@@ -655,14 +658,18 @@ class OffloadEngine(ReferenceEngine):
             kv.mirror(self.running)
         self._report_warm_loads(now)
 
-    # with `promoted_lru`, a warm load of n blocks is reported at the first poll at least
-    # n x WARM_LOAD_US_PER_BLOCK after its submission: G03's loads of 25-27 blocks take one step,
-    # those of 64 two (steps of 7.5-8.9 ms), which bounds it to 140-233 us per block
+    # with `promoted_lru`, a warm load of n blocks is reported at the first poll at least n x (a
+    # per-block time) after its submission. Of promoted keys only: G03's 64-block loads wait two
+    # polls over steps of up to 8.94 ms (114, 143, 151, 156, 168), which bounds it to 140-233 us.
+    # From the CPU tier: 64 blocks wait two polls over 7.47-8.24 ms steps (135, 176, 189, 195), one
+    # over 8.37 ms (201), and 25-27 blocks one (84, 116): 128.7-130.8 us
     WARM_LOAD_US_PER_BLOCK = 180
+    CPU_LOAD_US_PER_BLOCK = 129
 
     def _warm_load_done(self, r, now: int) -> bool:
         if self.promoted_lru:
-            return r.warm_at + max(r.warm_blocks, 1) * self.WARM_LOAD_US_PER_BLOCK <= now
+            per_block = self.WARM_LOAD_US_PER_BLOCK if r.warm_promoted_only else self.CPU_LOAD_US_PER_BLOCK
+            return r.warm_at + max(r.warm_blocks, 1) * per_block <= now
         return r.warm_at < now
 
     def _report_warm_loads(self, now: int) -> None:
@@ -713,7 +720,10 @@ class OffloadEngine(ReferenceEngine):
                 i += 1
                 continue
             # the prefix continues only on a secondary tier: promote (once) and defer
-            t, far = kv.fs_run(r, len(cached) + len(reload))
+            # (promoted_lru) blocks the legacy mirror continues are not promoted: they reload at once
+            # (G03 request 172: GPU prefix 48, mirror 16 more, offload CPU tier none)
+            reach = max(len(reload), len(kv.mirror_run(r, len(cached)))) if self.promoted_lru else len(reload)
+            t, far = kv.fs_run(r, len(cached) + reach)
             if far and not r.promo:
                 if kv.promote(r, t, far, now):
                     r.promo = True
