@@ -4,16 +4,17 @@ Test oracle only. The spec (blis-features §2.10) is thin: the semantics below w
 the blis-diff cases G03 (no jitter) and G04 (ramp + jitter), request by request.
 
 The jitted engine's port is blis_jax/engine/offload.py; tests/test_offload_engine.py checks that it
-gives this reference's run (the default, `legacy_mirror=True`, `warm_fresh=True`) request by request
-(G03, G04 and synthetic runs, one with warm loads).
+gives this reference's run (the default, `legacy_mirror=True`, `warm_fresh=True`, `promoted_lru=True`)
+request by request (G03, G04 and synthetic runs, one with warm loads).
 
 Agreement today (tests/test_reference_offload.py::test_offload_reference_against_blis):
 
-* `promoted_lru=True` (session stop 37; eager reference only, not yet the default: the jitted engine
-  does not have it): G03 requests 0-186 exact, 189/600 (default: 112, 0-109); hit rate 0.6846 vs
-  0.6856, TTFT mean 33.80 vs 33.56 ms, E2E mean 1067.97 vs 1067.40 ms. G04: 39/600, 0-36 as before;
-  hit rate 0.6709 vs 0.6688 (default 0.6699), TTFT mean 43.87 vs 42.47 ms (44.29), E2E mean
-  1071.17 vs 1070.02 ms (1071.69); 148 promotions and 15 warm loads (default 162 and 4).
+* `promoted_lru=True` (the default since session stop 37; the engine has it too): G03 requests
+  0-186 exact, 189/600 (before it: 112, 0-109); hit rate 0.6846 vs 0.6856, TTFT mean 33.80 vs
+  33.56 ms, E2E mean 1067.97 vs 1067.40 ms. G04: 39/600, 0-36 as before; hit rate 0.6709 vs 0.6688
+  (before: 0.6699), TTFT mean 43.87 vs 42.47 ms (44.29), E2E mean 1071.17 vs 1070.02 ms (1071.69);
+  148 promotions and 15 warm loads (before: 162 and 4). The figures below (and the model's
+  description, but for what this bullet changes) are those of `promoted_lru=False`.
   Found by forcing request 120 late (the completion poll's conflict) and reading BLIS's admissions
   against this model's: every promotion of a group promoted before is admitted one step earlier in
   BLIS (3 steps after submission, not 4), in G03 seventeen of them with or without a completion in
@@ -34,7 +35,7 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
   fills G04's 512-block tier: 102 refusals).
   Next G03 divergence: requests 202 and 203 (20.47 s), a step 835 us longer here.
 
-* G03: requests 0-109 exact (TTFT and E2E), 112/600 in all; cache hit rate 0.6839 vs 0.6856,
+* (`promoted_lru=False`) G03: requests 0-109 exact (TTFT and E2E), 112/600 in all; cache hit rate 0.6839 vs 0.6856,
   TTFT mean 35.01 vs 33.56 ms, E2E mean 1069.10 vs 1067.40 ms, KV Thrashing Rate 0 = 0. Without
   `warm_fresh` (`warm_fresh=False`, the model before session g03b): requests 0-94 exact, 99/600,
   hit rate 0.6834, TTFT mean 35.17 ms, E2E mean 1069.16 ms; G04 the same either way. Without the
@@ -353,7 +354,7 @@ def service_us(tier: Tier, nbytes: int, read: bool, depth: int = 1, rng=None) ->
 
 class OffloadKVCache(KVCache):
     def __init__(self, total_blocks: int, block_size: int, cfg: OffloadConfig, seed: int = 42,
-                 legacy_mirror: bool = True, warm_fresh: bool = True, promoted_lru: bool = False):
+                 legacy_mirror: bool = True, warm_fresh: bool = True, promoted_lru: bool = True):
         super().__init__(total_blocks, block_size)
         self.legacy_mirror = legacy_mirror
         self.warm_fresh = warm_fresh         # see the module docstring (session g03b); False: the model before it
@@ -623,7 +624,7 @@ class OffloadKVCache(KVCache):
 
 class OffloadEngine(ReferenceEngine):
     def __init__(self, requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
-                 legacy_mirror: bool = True, warm_fresh: bool = True, promoted_lru: bool = False):
+                 legacy_mirror: bool = True, warm_fresh: bool = True, promoted_lru: bool = True):
         super().__init__(requests, cfg, lat, record_steps)
         self.kv = OffloadKVCache(cfg.total_kv_blocks, cfg.block_size, offload, seed, legacy_mirror, warm_fresh,
                                  promoted_lru)
@@ -754,6 +755,6 @@ class OffloadEngine(ReferenceEngine):
 
 
 def simulate_offload(requests, cfg, lat, offload: OffloadConfig, seed: int = 42, record_steps: bool = True,
-                     legacy_mirror: bool = True, warm_fresh: bool = True, promoted_lru: bool = False):
+                     legacy_mirror: bool = True, warm_fresh: bool = True, promoted_lru: bool = True):
     eng = OffloadEngine(requests, cfg, lat, offload, seed, record_steps, legacy_mirror, warm_fresh, promoted_lru)
     return eng.run(), eng.kv

@@ -368,10 +368,7 @@ def step(state, dims: EngineDims, params: EngineParams, req: RequestArrays, mode
         state = offload.after_execution(state, dims, params, req, run)
     elif dims.cpu_blocks:  # write-through of the batch's hashed blocks (BLIS MirrorToCPU)
         state = cpu_tier.mirror(state, dims, params, run)
-    batch_before = state.batch_len
     state = _finish_requests(state, dims, params, req, model, step_us, run)
-    if dims.offload:  # completions poll the stations again at the step's end
-        state = offload.after_completions(state, dims, run & (state.batch_len < batch_before), now + step_us)
     waiting = state.wait_len > 0
     if dims.lora_slots:  # an idle instance waits for the adapter load (its completion starts a step)
         waiting = waiting & (state.lora_loading < 0)

@@ -8,15 +8,18 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
 * CPU staging: `capacity` = ⌊cpu_bytes_to_use / per_block_bytes⌋ slots (cpu_tier.py's slot key /
   LRU stamp / key → slot map, reused) with vLLM's ref count per slot: -1 while a promotion read
   brings the block in, 0 evictable, > 0 pinned by writes to the secondary tiers.
-* After each step's execution (clock at the step's start), and again at the step's end when
-  requests completed in it (warm loads excepted): `poll` the stations (finished writes: key on
-  the tier, CPU slot unpinned; finished reads: slots evictable, the request ready); after
-  execution then each running request, in batch order, stores its prompt blocks past its last
+* After each step's execution (clock at the step's start): `poll` the stations (finished writes:
+  key on the tier, CPU slot unpinned; finished reads: slots evictable, their keys into the
+  promoted keys' LRU, the request ready); then each running request, in batch order, stores its prompt blocks past its last
   stored index, all or nothing (vLLM prepare_store), evicting least recently used evictable
   slots; every fresh CPU block is written to every tier; then, if anything was stored, all its
   blocks are touched.
+* The promoted keys' LRU (capacity: the staging tier's; `pro_*`): what BLIS keeps of the blocks
+  promotion reads brought in. A later lookup finds them as staging-tier continuations even after
+  the staging tier evicted them (G03: every repeat promotion of a group is a load one step
+  shorter than a first promotion).
 * Batch formation, phase 2 (batch.py): a skip-scan over the wait queue; a request whose prefix
-  continues (past its GPU prefix and CPU continuation) on a secondary tier has a read of that run
+  continues (past its GPU prefix and its CPU or legacy-mirror continuation) on a secondary tier has a read of that run
   submitted once, if the CPU tier has room for it (else refused: KV Thrashing Rate =
   refused / attempted), and is deferred until a poll sees the read done; when every block of the
   run is already coming in by another request's read, no read is submitted (no draw, no attempt):
@@ -31,10 +34,11 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
   capacity, own slots `mir_*`): after each step the running requests' full prompt blocks, by their
   GPU blocks' keys, are stored or touched (LRU, cpu_tier.lru_pass). Synchronous reloads come from
   it alone (after an async load: from it or the staging tier; cpu_tier.on_cpu). A request whose
-  prefix the staging tier continues further than the mirror is a warm load: deferred, a
-  station-less job (tier -1, finish now + 1) ready at the next step's poll, admitted the step after;
-  from the deferral to that poll it holds (ref 1, no key) as many free-list head blocks as the
-  continuation has blocks off the GPU, which then go back, empty, to the free list's tail.
+  prefix the staging tier (or the promoted keys) continues further than the mirror is a warm load:
+  deferred, a station-less job (tier -1) of n x 129 µs (n x 180 µs when only promoted keys come)
+  for its n blocks off the GPU, ready at the first poll past it, admitted the step after; from
+  the deferral to that poll it holds (ref 1, no key) n free-list head blocks (none for promoted
+  keys only), which then go back, empty, to the free list's tail.
 * A job's service time: base + bytes / (bandwidth · ramp(depth)), times max(0.05, 1 + N·σ) (one
   draw of the instance's `kv-offload` stream per job when σ > 0, at submission; the draws are
   computed on the host, `norm_draws`), rounded half away from zero, at least 1 µs. Its finish is
@@ -125,6 +129,16 @@ class OffloadState(eqx.Module):
     hold_tick: Int64[Array, ""]
     # each GPU block's key before its last reuse (kv.pop_blocks / kv.register_full_blocks)
     popped_key: Int64[Array, " B"]
+    # the keys promotion reads brought in: an LRU of the staging tier's capacity of their own
+    # (cpu_tier.lru_pass; stores never evict them), found as staging-tier continuations
+    pro_slot_key: Int64[Array, " CB"]
+    pro_slot_stamp: Int64[Array, " CB"]
+    pro_key_slot: Int32[Array, " KS"]
+    pro_tick: Int64[Array, ""]
+    pro_count: Int64[Array, ""]
+    slot_seq: Int64[Array, " CB"]  # when each staging slot was filled (its position in that insertion)
+    job_seq: Int64[Array, " J"]  # submission order of the jobs
+    job_tick: Int64[Array, ""]
 
 
 # ----------------------------------------------------------------------------- host side
@@ -230,6 +244,12 @@ def init_state(dims: EngineDims, params: OffloadParams) -> OffloadState:
         block_seq=jnp.zeros(dims.kv_blocks, jnp.int64),
         hold_tick=i64(0),
         popped_key=jnp.full(dims.kv_blocks, -1, jnp.int64),
+        pro_slot_key=jnp.full(dims.cpu_blocks, -1, jnp.int64),
+        pro_slot_stamp=jnp.full(dims.cpu_blocks, BIG, jnp.int64),
+        pro_key_slot=jnp.full(dims.cpu_keys, -1, jnp.int32),
+        pro_tick=i64(0), pro_count=i64(0),
+        slot_seq=jnp.zeros(dims.cpu_blocks, jnp.int64),
+        job_seq=jnp.zeros(j, jnp.int64), job_tick=i64(0),
     )
 
 
@@ -272,16 +292,20 @@ def submit(off: OffloadState, dims: EngineDims, params: OffloadParams, now, tier
         job_tier=off.job_tier.at[at].set(tier, mode="drop"),
         job_write=off.job_write.at[at].set(kind == WRITE, mode="drop"),
         job_item=off.job_item.at[at].set(item, mode="drop"),
+        job_seq=off.job_seq.at[at].set(off.job_tick, mode="drop"),
+        job_tick=off.job_tick + go,
         draw_pos=off.draw_pos + (go & jitter),
     ), job, overflow
 
 
-def poll(state, dims: EngineDims, active, now=None, warm=True):
-    """Completions of the jobs finished by `now` (default the clock): a written key is on its tier
-    and its CPU slot unpinned; a promotion's slots become evictable and its request ready; a warm
-    load's request ready too (unless `warm` is False)."""
+def poll(state, dims: EngineDims, params: OffloadParams, active):
+    """Completions of the jobs finished by the clock: a written key is on its tier and its CPU slot
+    unpinned; a promotion's slots become evictable, their keys join the promoted keys' LRU, and its
+    request is ready; a warm load's request is ready too."""
     off = state.off
-    done = active & (off.job_finish <= (state.now if now is None else now)) & (warm | (off.job_tier >= 0))
+    done = active & (off.job_finish <= state.now)
+    state = _remember_promoted(state, dims, params, done & ~off.job_write & (off.job_tier >= 0))
+    off = state.off
     writes = done & off.job_write
     reads = done & ~off.job_write
     key = jnp.clip(off.job_item, 0, dims.cpu_keys - 1)
@@ -300,6 +324,29 @@ def poll(state, dims: EngineDims, active, now=None, warm=True):
         job_finish=jnp.where(done, INF_TIME, off.job_finish), block_job=jnp.where(released, -1, off.block_job),
         writes_done=off.writes_done + jnp.sum(writes),
         promotions_done=off.promotions_done + jnp.sum(reads & (off.job_tier >= 0))))
+
+
+def _remember_promoted(state, dims: EngineDims, params: OffloadParams, reads):
+    """The keys the finished promotion `reads` brought in, stored (or touched) in the promoted
+    keys' LRU in submission order, block order (a loop of at most one iteration: it runs only when
+    a read finished)."""
+    from blis_jax.engine import cpu_tier
+
+    def body(carry, ops, on):
+        state, _ = carry
+        reads, params = ops
+        off = state.off
+        arrived = on & (off.slot_job >= 0) & reads[jnp.maximum(off.slot_job, 0)] & (state.cpu_slot_key >= 0)
+        order = jnp.lexsort((off.slot_seq, jnp.where(arrived, off.job_seq[jnp.maximum(off.slot_job, 0)], BIG)))
+        keys = state.cpu_slot_key[order]
+        store = cpu_tier.LruStore(off.pro_slot_key, off.pro_slot_stamp, off.pro_key_slot, off.pro_tick)
+        store, _, _ = cpu_tier.lru_pass(store, dims, params.capacity, off.pro_count, keys, arrived[order], on)
+        return dataclasses.replace(state, off=dataclasses.replace(
+            off, pro_slot_key=store.slot_key, pro_slot_stamp=store.slot_stamp, pro_key_slot=store.key_slot,
+            pro_tick=store.tick, pro_count=jnp.sum(store.slot_key >= 0).astype(jnp.int64))), True
+
+    return masked_while(lambda carry, ops: ~carry[1] & jnp.any(ops[0]), body, (state, jnp.asarray(False)),
+                        (reads, params))[0]
 
 
 def _release_held(state, dims: EngineDims, released):
@@ -366,7 +413,8 @@ def _insert(state, dims: EngineDims, params: OffloadParams, keys, mask, ref, job
         cpu_count=state.cpu_count + jnp.sum(dest < c),
         cpu_tick=state.cpu_tick + m,
         off=dataclasses.replace(off, slot_ref=off.slot_ref.at[dest].set(ref, mode="drop"),
-                                slot_job=off.slot_job.at[dest].set(job, mode="drop")),
+                                slot_job=off.slot_job.at[dest].set(job, mode="drop"),
+                                slot_seq=off.slot_seq.at[dest].set(state.cpu_tick + jnp.arange(m), mode="drop")),
     )
 
 
@@ -440,7 +488,7 @@ def _store_request(state, dims: EngineDims, params: OffloadParams, req, r, upto,
 def after_execution(state, dims: EngineDims, params, req, active):
     """Poll the stations, then each running request (batch order) stores its new prompt blocks
     (offload_prompt_only; `validate` refuses it off)."""
-    state = poll(state, dims, active)
+    state = poll(state, dims, params.off, active)
     # the requests with new prompt blocks, in batch order: the loop visits only those (most of a
     # batch is decoding, and a store's slot search is O(CPU slots))
     slots = jnp.arange(dims.batch_slots)
@@ -459,14 +507,6 @@ def after_execution(state, dims: EngineDims, params, req, active):
     state = masked_while(lambda c, ops: c[1] < ops[-1], body, (state, jnp.int32(0)),
                          (params, req, order, r, upto, jnp.sum(new).astype(jnp.int32)))[0]
     return _mirror(state, dims, params, req, active)
-
-
-def after_completions(state, dims: EngineDims, left, end):
-    """A step in which requests complete (`left`) polls the stations again at its end (BLIS's
-    request-left path; G03 request 114's read, done inside the step in which request 102
-    completes, is admitted a step earlier than reads done inside steps without completions).
-    Warm loads keep to the next step's poll."""
-    return poll(state, dims, left, end, warm=False)
 
 
 def _mirror(state, dims: EngineDims, params, req, active):
@@ -515,11 +555,18 @@ def _promote(state, dims: EngineDims, params: OffloadParams, r, keys, j, tier, s
     return _insert(state, dims, params, keys, new & go, -1, job.astype(jnp.int32)), go
 
 
-def _warm_load(state, dims: EngineDims, params, r, n_hold, active):
-    """Defer r as a warm load (vLLM load_async): a job ready at the next step's poll (finish now + 1;
-    tier -1: no station) holding `n_hold` GPU blocks from the free-list head, keys dropped, until
-    that poll (poll / _release_held). Returns (state, deferred)."""
-    state, job, go = _stationless_job(state, dims, r, state.now + 1, -1, active)
+# A warm load of n blocks is ready at the first poll at least n x these after its submission
+# (found against BLIS's G03 admissions on 2 MiB blocks, tests/reference_offload.py): of promoted
+# keys only, 140-233 µs a block fit; from the staging tier, 128.7-130.8 µs.
+WARM_LOAD_US_PER_BLOCK = 180
+CPU_LOAD_US_PER_BLOCK = 129
+
+
+def _warm_load(state, dims: EngineDims, params, r, n_hold, finish, active):
+    """Defer r as a warm load (vLLM load_async): a job (tier -1: no station) ready at the first poll
+    past `finish`, holding `n_hold` GPU blocks from the free-list head, keys dropped, until that
+    poll (poll / _release_held). Returns (state, deferred)."""
+    state, job, go = _stationless_job(state, dims, r, finish, -1, active)
     misses = state.kv_misses
     n = jnp.where(go, jnp.minimum(n_hold, state.free_count), 0)
     state, ids = kv.pop_blocks(state, dims, n, params.total_kv_blocks, dims.blocks_per_request)
@@ -573,16 +620,22 @@ def before_admission(state, dims: EngineDims, params, req, r, n_hit, on_gpu, act
     deferred = active & (p == PROMOTING)
     j, keys, n_full = _prompt_keys(dims, req, r)
     slot = state.cpu_key_slot[keys]
-    on_cpu = (slot >= 0) & (off.slot_ref[jnp.maximum(slot, 0)] >= 0) & (j < n_full)
+    staged = (slot >= 0) & (off.slot_ref[jnp.maximum(slot, 0)] >= 0) & (j < n_full)
+    on_cpu = staged | ((off.pro_key_slot[keys] >= 0) & (j < n_full))
     cpu_run = _run_from(n_hit, on_cpu, j)
     mirror_run = _run_from(n_hit, (off.mir_key_slot[keys] >= 0) & (j < n_full), j)
-    # its blocks: the continuation the staging tier holds and the GPU does not
-    n_hold = _run_from(n_hit, on_cpu & ~on_gpu, j)
-    state, warm = _warm_load(state, dims, params, r, n_hold,
+    # its blocks: the continuation the CPU holds and the GPU does not; a load only of promoted
+    # keys holds no GPU blocks (G03 request 115: holding 114's 64 takes its cached prefix)
+    n_load = _run_from(n_hit, on_cpu & ~on_gpu, j)
+    promoted_only = ~jnp.any(staged & (j >= n_hit) & (j < n_hit + n_load))
+    per_block = jnp.where(promoted_only, WARM_LOAD_US_PER_BLOCK, CPU_LOAD_US_PER_BLOCK)
+    state, warm = _warm_load(state, dims, params, r, jnp.where(promoted_only, 0, n_load),
+                             state.now + jnp.maximum(n_load, 1) * per_block,
                              active & ~deferred & (p == NO_PROMOTION) & (cpu_run > mirror_run))
     deferred = deferred | warm
     off = state.off
-    far_start = n_hit + cpu_run
+    # blocks the legacy mirror continues are reloaded, not promoted (G03 request 172)
+    far_start = n_hit + jnp.maximum(cpu_run, mirror_run)
     runs = jnp.stack([_run_from(far_start, off.on_tier[t, keys] & (j < n_full), j)
                       for t in range(dims.offload_tiers)]) if dims.offload_tiers else jnp.zeros(1, jnp.int64)
     tier = jnp.argmax(runs).astype(jnp.int32)   # the longest run, the first tier on a tie
