@@ -10,10 +10,28 @@ gives this reference's run (the default, `legacy_mirror=True`, `warm_fresh=True`
 Agreement today (tests/test_reference_offload.py::test_offload_reference_against_blis):
 
 * `promoted_lru=True` (session stop 37; eager reference only, not yet the default: the jitted engine
-  does not have it): G03 requests 0-186 exact, 189/600 (default: 112, 0-109); hit rate 0.6846 vs
-  0.6856, TTFT mean 33.80 vs 33.56 ms, E2E mean 1067.97 vs 1067.40 ms. G04: 39/600, 0-36 as before;
-  hit rate 0.6709 vs 0.6688 (default 0.6699), TTFT mean 43.87 vs 42.47 ms (44.29), E2E mean
-  1071.17 vs 1070.02 ms (1071.69); 148 promotions and 15 warm loads (default 162 and 4).
+  does not have it): G03 requests 0-255 exact, 258/600 (default: 112, 0-109); hit rate 0.6853 vs
+  0.6856, TTFT mean 33.70 vs 33.56 ms, E2E mean 1067.56 vs 1067.40 ms. G04: 39/600, 0-36 as before;
+  hit rate 0.6709 vs 0.6688 (default 0.6699), TTFT mean 43.92 vs 42.47 ms (44.29), E2E mean
+  1071.22 vs 1070.02 ms (1071.69); 148 promotions and 15 warm loads (default 162 and 4).
+  Session g03c added two rules ((1) alone: G03 246/600, 0-209; (2) alone: 189, 0-186; both 258): (1) a warm load for a
+  request none of whose prompt blocks the GPU holds holds no GPU blocks. Found at requests 202/203
+  (20.468 s, both TTFTs 835 us late = 23 blocks of 203's prefill): 202's 24 fresh blocks came off
+  the free list's head, where request 176's released sys-3 blocks 41-63 sat behind the 64 blocks
+  201's warm load (sys-6, 20.414 s) had held and sent to the tail, so 203 found 41 of its 64
+  cached; BLIS computes 203 from block 64. Without 201's hold (and 135's, 176's, 189's, 195's, all
+  64-block loads of groups the GPU has none of) 203 is exact; holding them and giving them to the
+  admission (at the free list's head) breaks request 101 via 84 (lead 88); no hold at all, or none
+  when the GPU prefix is 0, breaks 101 as well (84 holds 27 blocks with a GPU prefix of 0 but some
+  sys-7 keys on the GPU). (2) a warm load of promoted keys only takes a fixed 11.52 ms, not n x
+  180 us: request 225 (24 promoted sys-18 blocks, 22.580 s) is admitted 3 steps after its deferral
+  like the 64-block ones (8.96-14.91 ms fit; 8.32 or 15.36 ms break earlier). G04's TTFT mean
+  moves 43.87 -> 43.92 ms with (2) (its exact requests unchanged).
+  Next G03 divergence: request 266 (26.713 s, sys-19, GPU holding blocks 11-63, the CPU tier all
+  64, the mirror none): BLIS admits it one step after its deferral (computing its whole prompt,
+  step 10242 us), i.e. its 11-block load is reported at the deferral step's own poll; every other
+  warm load (84, 116: 25-27 blocks; 64-block ones) needs n x 129 us after the deferral step's
+  start, which this one cannot meet (d <= 0).
   Found by forcing request 120 late (the completion poll's conflict) and reading BLIS's admissions
   against this model's: every promotion of a group promoted before is admitted one step earlier in
   BLIS (3 steps after submission, not 4), in G03 seventeen of them with or without a completion in
@@ -32,7 +50,6 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
   rule 162 exact, 0-161). What BLIS structure this is was not found (a
   CPU-tier copy kept outside the LRU order, pinned by a load never completed, would fit G03 but
   fills G04's 512-block tier: 102 refusals).
-  Next G03 divergence: requests 202 and 203 (20.47 s), a step 835 us longer here.
 
 * G03: requests 0-109 exact (TTFT and E2E), 112/600 in all; cache hit rate 0.6839 vs 0.6856,
   TTFT mean 35.01 vs 33.56 ms, E2E mean 1069.10 vs 1067.40 ms, KV Thrashing Rate 0 = 0. Without
@@ -418,8 +435,13 @@ class OffloadKVCache(KVCache):
         req.warm_promoted_only = self.promoted_lru and all(
             self.cpu.get(self.block_key(req, j + i, bs), -1) < 0 for i in range(n))
         # a load only of promoted keys holds no GPU blocks (G03 request 115: holding 114's 64 takes
-        # its cached prefix)
-        if req.warm_promoted_only:
+        # its cached prefix); nor does one for a request none of whose prompt blocks the GPU holds
+        # (G03 request 201's 64 held blocks take request 176's sys-3 blocks 41-63 off the free
+        # list's head before request 203 looks them up at 20.459 s; 84, 116 and 266, which hold,
+        # find some of theirs on the GPU. "The load brings the whole shared prefix" or "n >= 28"
+        # fit G03 and G04 alike)
+        if req.warm_promoted_only or (self.promoted_lru and not any(
+                self.block_key(req, i, bs) in self.by_hash for i in range(req.input_len // bs))):
             n = 0
         held = []
         for _ in range(min(n, len(self.free))):
@@ -658,18 +680,20 @@ class OffloadEngine(ReferenceEngine):
             kv.mirror(self.running)
         self._report_warm_loads(now)
 
-    # with `promoted_lru`, a warm load of n blocks is reported at the first poll at least n x (a
-    # per-block time) after its submission. Of promoted keys only: G03's 64-block loads wait two
-    # polls over steps of up to 8.94 ms (114, 143, 151, 156, 168), which bounds it to 140-233 us.
-    # From the CPU tier: 64 blocks wait two polls over 7.47-8.24 ms steps (135, 176, 189, 195), one
-    # over 8.37 ms (201), and 25-27 blocks one (84, 116): 128.7-130.8 us
-    WARM_LOAD_US_PER_BLOCK = 180
+    # with `promoted_lru`, a warm load is reported at the first poll at least its duration after its
+    # submission. Of promoted keys only: a fixed 11.52 ms, whatever the block count: G03's 64-block
+    # loads wait two polls over steps of up to 8.94 ms (114, 143, 151, 156, 168; 8.96-14.91 ms fit),
+    # and so does request 225's load of 24 blocks (22.580 s, steps of 7.93 ms: 24 x 180 us was one
+    # poll, one step early). From the CPU tier: n x 129 us: 64 blocks wait two polls over 7.47-8.24
+    # ms steps (135, 176, 189, 195), one over 8.37 ms (201), and 25-27 blocks one (84, 116):
+    # 128.7-130.8 us
+    PROMOTED_LOAD_US = 11_520
     CPU_LOAD_US_PER_BLOCK = 129
 
     def _warm_load_done(self, r, now: int) -> bool:
         if self.promoted_lru:
-            per_block = self.WARM_LOAD_US_PER_BLOCK if r.warm_promoted_only else self.CPU_LOAD_US_PER_BLOCK
-            return r.warm_at + max(r.warm_blocks, 1) * per_block <= now
+            took = self.PROMOTED_LOAD_US if r.warm_promoted_only else max(r.warm_blocks, 1) * self.CPU_LOAD_US_PER_BLOCK
+            return r.warm_at + took <= now
         return r.warm_at < now
 
     def _report_warm_loads(self, now: int) -> None:
