@@ -10,11 +10,11 @@ gives this reference's run (the default, `legacy_mirror=True`, `warm_fresh=True`
 Agreement today (tests/test_reference_offload.py::test_offload_reference_against_blis):
 
 * `promoted_lru=True` (session stop 37; eager reference only, not yet the default: the jitted engine
-  does not have it): G03 requests 0-255 exact, 258/600 (default: 112, 0-109); hit rate 0.6853 vs
+  does not have it): G03 requests 0-259 exact, 262/600 (default: 112, 0-109); hit rate 0.6853 vs
   0.6856, TTFT mean 33.70 vs 33.56 ms, E2E mean 1067.56 vs 1067.40 ms. G04: 39/600, 0-36 as before;
   hit rate 0.6709 vs 0.6688 (default 0.6699), TTFT mean 43.92 vs 42.47 ms (44.29), E2E mean
   1071.22 vs 1070.02 ms (1071.69); 148 promotions and 15 warm loads (default 162 and 4).
-  Session g03c added two rules ((1) alone: G03 246/600, 0-209; (2) alone: 189, 0-186; both 258): (1) a warm load for a
+  Session g03c added three rules ((1) alone: G03 246/600, 0-209; (2) alone: 189, 0-186; both 258): (1) a warm load for a
   request none of whose prompt blocks the GPU holds holds no GPU blocks. Found at requests 202/203
   (20.468 s, both TTFTs 835 us late = 23 blocks of 203's prefill): 202's 24 fresh blocks came off
   the free list's head, where request 176's released sys-3 blocks 41-63 sat behind the 64 blocks
@@ -26,12 +26,26 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
   sys-7 keys on the GPU). (2) a warm load of promoted keys only takes a fixed 11.52 ms, not n x
   180 us: request 225 (24 promoted sys-18 blocks, 22.580 s) is admitted 3 steps after its deferral
   like the 64-block ones (8.96-14.91 ms fit; 8.32 or 15.36 ms break earlier). G04's TTFT mean
-  moves 43.87 -> 43.92 ms with (2) (its exact requests unchanged).
-  Next G03 divergence: request 266 (26.713 s, sys-19, GPU holding blocks 11-63, the CPU tier all
-  64, the mirror none): BLIS admits it one step after its deferral (computing its whole prompt,
-  step 10242 us), i.e. its 11-block load is reported at the deferral step's own poll; every other
-  warm load (84, 116: 25-27 blocks; 64-block ones) needs n x 129 us after the deferral step's
-  start, which this one cannot meet (d <= 0).
+  moves 43.87 -> 43.92 ms with (2) (its exact requests unchanged). (3) a warm load that holds GPU
+  blocks is reported at a batch formation, not a poll, once n x 420 us have passed (G03: 262/600,
+  0-259; G04 unchanged). Found at request 266 (26.713 s, sys-19, the GPU holding blocks 11-63
+  since request 260's reload re-keyed its own 0-10, the CPU tier all 64, the mirror none): BLIS
+  admits it the step after its deferral (computing its whole prompt: step 10242 us), so its
+  11-block load is done by then; with the polls at the step's start that needs a load time <= 0,
+  while 84 and 116 (27 and 25 blocks, the same pattern: the GPU holds the blocks after their
+  CPU-only run) are admitted two steps after theirs. Read at the next formation the three fit
+  325.6-522 us a block (no intercept; 80 + 419.4 n, the fs tier's write time, fits as well). The
+  CPU-tier 64-block loads do not fit that reading (189 needs > 16660 us, 201 <= 16633) and keep
+  the poll rule.
+  Next G03 divergence: request 269 (27.021 s, sys-9, GPU none, mirror all 64: a sync reload, chunk
+  from 0 here): BLIS computes it from block 54 (step 8995 us), i.e. sys-9 blocks 0-53 are still
+  on the GPU: BLIS takes ~54-64 fewer free-list head blocks after request 243's release (25.02 s).
+  Request 266's admission takes 82 here (11 held + 71 fresh, 53 of them duplicates of its GPU
+  blocks 11-63): with no hold and its GPU blocks 11-63 claimed instead of fresh, 269 finds 54
+  (measured; 43 with the hold), i.e. 266 admitted like a reload (its 0-10 loaded, the rest
+  claimed, the whole prompt computed). Claiming so for every warm admission (or for held loads,
+  held blocks at the head) breaks request 110 via 84 (lead 95) or 101 (lead 88); what singles
+  out 266 against 84 is not found.
   Found by forcing request 120 late (the completion poll's conflict) and reading BLIS's admissions
   against this model's: every promotion of a group promoted before is admitted one step earlier in
   BLIS (3 steps after submission, not 4), in G03 seventeen of them with or without a completion in
@@ -685,13 +699,23 @@ class OffloadEngine(ReferenceEngine):
     # loads wait two polls over steps of up to 8.94 ms (114, 143, 151, 156, 168; 8.96-14.91 ms fit),
     # and so does request 225's load of 24 blocks (22.580 s, steps of 7.93 ms: 24 x 180 us was one
     # poll, one step early). From the CPU tier: n x 129 us: 64 blocks wait two polls over 7.47-8.24
-    # ms steps (135, 176, 189, 195), one over 8.37 ms (201), and 25-27 blocks one (84, 116):
-    # 128.7-130.8 us
+    # ms steps (135, 176, 189, 195), one over 8.37 ms (201): 128.7-130.8 us. A load that holds GPU
+    # blocks (all three G03 ones: 84, 116 and 266, each for a request whose GPU blocks continue its
+    # CPU-only run) is not reported by a poll: the next batch formation admits it once n x 420 us
+    # have passed since its submission (84: 27 blocks, 116: 25, both past one step of 7.05 / 8.14 ms;
+    # 266: 11 blocks, within one of 7.68 ms, admitted the step after its deferral; 325.6-522 us fit)
     PROMOTED_LOAD_US = 11_520
     CPU_LOAD_US_PER_BLOCK = 129
+    HELD_LOAD_US_PER_BLOCK = 420
+
+    def _held_load_done(self, r, now: int) -> bool:
+        return (self.promoted_lru and r.warm_at is not None and bool(r.held) and not r.promo_done
+                and r.warm_at + r.warm_blocks * self.HELD_LOAD_US_PER_BLOCK <= now)
 
     def _warm_load_done(self, r, now: int) -> bool:
         if self.promoted_lru:
+            if r.held:
+                return False          # see _held_load_done
             took = self.PROMOTED_LOAD_US if r.warm_promoted_only else max(r.warm_blocks, 1) * self.CPU_LOAD_US_PER_BLOCK
             return r.warm_at + took <= now
         return r.warm_at < now
@@ -725,6 +749,11 @@ class OffloadEngine(ReferenceEngine):
         cfg = self.cfg
         kv = self.kv
         bs = cfg.block_size
+        for r in self.wait:
+            if self._held_load_done(r, now):
+                r.promo_done = True
+                kv.release_held(r.held)
+                r.held = []
         i = 0
         while (len(self.running) < cfg.max_num_seqs and i < len(self.wait) and st["budget"] > 0
                and not st["preempted_flag"]):
