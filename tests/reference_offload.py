@@ -11,11 +11,11 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
 
 * `promoted_lru=True` (session stop 37; eager reference only, not yet the default: the jitted engine
   does not have it): G03 requests 0-259 exact, 262/600 (default: 112, 0-109); hit rate 0.6853 vs
-  0.6856, TTFT mean 33.72 vs 33.56 ms, E2E mean 1067.58 vs 1067.40 ms (with `held_reload=True`
-  too: 0-312 exact, 315/600; hit rate 0.6835, TTFT mean 33.78 ms, E2E mean 1067.71 ms). G04: 39/600, 0-36 as before;
+  0.6856, TTFT mean 33.69 vs 33.56 ms, E2E mean 1067.55 vs 1067.40 ms (with `held_reload=True`
+  too: 0-340 exact, 342/600; hit rate 0.6835, TTFT mean 33.76 ms, E2E mean 1067.69 ms). G04: 39/600, 0-36 as before;
   hit rate 0.6709 vs 0.6688 (default 0.6699), TTFT mean 43.92 vs 42.47 ms (44.29), E2E mean
   1071.22 vs 1070.02 ms (1071.69); 148 promotions and 15 warm loads (default 162 and 4).
-  Session g03c added five rules ((1) alone: G03 246/600, 0-209; (2) alone: 189, 0-186; both 258): (1) a warm load for a
+  Session g03c added six rules ((1) alone: G03 246/600, 0-209; (2) alone: 189, 0-186; both 258): (1) a warm load for a
   request none of whose prompt blocks the GPU holds holds no GPU blocks. Found at requests 202/203
   (20.468 s, both TTFTs 835 us late = 23 blocks of 203's prefill): 202's 24 fresh blocks came off
   the free list's head, where request 176's released sys-3 blocks 41-63 sat behind the 64 blocks
@@ -54,7 +54,13 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
   after its deferral over steps of 8383 us (> 8383 us) where request 201 (all 64 on the CPU tier)
   needs <= 8372 us; 249 (40 promoted) and 189 (3) fit either way. With (4): G03 315/600, 0-312
   (without (4) 262 still); G04 unchanged.
-  Next G03 divergence (with (4)): request 325 (32.83 s) admitted one step late.
+  (6) a CPU-tier load (no hold, no promoted key) is timed by its blocks the legacy mirror does not
+  hold: x 129 us (128.7-139.5 fit): request 325 (32.817 s, 64 blocks, 8 in the mirror) is
+  admitted 2 steps after its deferral over steps of 7918 us where 195 (none in the mirror) needs
+  > 8237 us; 201 (4 in the mirror) fits as well. With (4): G03 342/600, 0-340 (without (4) 262
+  still); G04 unchanged.
+  Next G03 divergence (with (4)): request 351 (36.105 s, a load of 22 promoted keys, 11 of them in
+  the mirror) is admitted by BLIS the step after its deferral (here 3 steps).
   Found by forcing request 120 late (the completion poll's conflict) and reading BLIS's admissions
   against this model's: every promotion of a group promoted before is admitted one step earlier in
   BLIS (3 steps after submission, not 4), in G03 seventeen of them with or without a completion in
@@ -461,6 +467,10 @@ class OffloadKVCache(KVCache):
         # and 304: 40 and 37 of 64)
         req.warm_some_promoted = self.promoted_lru and any(
             self.cpu.get(self.block_key(req, j + i, bs), -1) < 0 for i in range(n))
+        # the blocks of a CPU-tier load the legacy mirror does not hold, which time it (G03 requests
+        # 201 and 325: 4 and 8 of their 64 in the mirror, done within 8372 and 7918 us, where 195,
+        # none in the mirror, needs > 8237 us)
+        req.warm_unmirrored = sum(1 for i in range(n) if self.block_key(req, j + i, bs) not in self.mirror_keys)
         # a load only of promoted keys holds no GPU blocks (G03 request 115: holding 114's 64 takes
         # its cached prefix); nor does one for a request none of whose prompt blocks the GPU holds
         # (G03 request 201's 64 held blocks take request 176's sys-3 blocks 41-63 off the free
@@ -698,6 +708,7 @@ class OffloadEngine(ReferenceEngine):
             r.warm_async = False   # deferred for a warm (async CPU) load
             r.warm_blocks = 0      # the blocks that load brings in
             r.warm_promoted_only = r.warm_some_promoted = False
+            r.warm_unmirrored = 0
             r.warm_formations = 0  # batch formations since the deferral of a load that holds blocks
 
     def _after_execution(self) -> None:
@@ -740,7 +751,7 @@ class OffloadEngine(ReferenceEngine):
         if self.promoted_lru:
             if r.held:
                 return False          # see _held_load_done
-            took = self.PROMOTED_LOAD_US if r.warm_some_promoted else max(r.warm_blocks, 1) * self.CPU_LOAD_US_PER_BLOCK
+            took = self.PROMOTED_LOAD_US if r.warm_some_promoted else max(r.warm_unmirrored, 1) * self.CPU_LOAD_US_PER_BLOCK
             return r.warm_at + took <= now
         return r.warm_at < now
 
