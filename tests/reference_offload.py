@@ -67,7 +67,15 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
   (its whole prompt computed: step 10564 us), where the promoted-key rule (2) gave 3 steps; 84
   (25 of 27 not in the mirror), 116 and 266 as before; 290 (10 blocks) joins the class. With
   (4): G03 448/600, 0-446, hit rate 0.6831 (without (4) 262 still); G04 unchanged.
-  Next G03 divergence (with (4)): request 457 (47.239 s) admitted a step early.
+  Next G03 divergence (with (4)): request 457 (47.216 s, sys-2, a CPU-tier load of 64 blocks,
+  44-63 in the mirror, no hold) is admitted by BLIS 3 steps after its deferral over steps of 7803
+  us (> 7803 us), here 2 (44 x 129 us): against rule (6), which 325 (mirror 6-13, <= 7918 us)
+  needs; 467 (48.52 s, no mirror block, <= 7576 us, past the divergence) is at odds with 135
+  (> 7700 us) as well. Not fitting the pure CPU-tier loads (135, 176, 195, 201, 210, 325, 457):
+  a time of the block count alone, of the blocks before the first mirror block, of each run not
+  in the mirror, submission at the request's enqueue time, polls at the step's end. The sys-2
+  blocks 44-63 entered the mirror with request 426's fresh warm admission (44.53 s); not mirroring
+  warm admissions breaks request 129 (lead 121), not mirroring promoted-only ones 176 (lead 168).
   Found by forcing request 120 late (the completion poll's conflict) and reading BLIS's admissions
   against this model's: every promotion of a group promoted before is admitted one step earlier in
   BLIS (3 steps after submission, not 4), in G03 seventeen of them with or without a completion in
