@@ -39,8 +39,9 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
   CPU-tier 64-block loads do not fit that reading (189 needs > 16660 us, 201 <= 16633) and keep
   the poll rule. Revised by (7): the class is the loads whose run is continued on the GPU or in the
   legacy mirror (the block after it), timed by their blocks not in the mirror.
-  (4) (`held_reload=True` besides `promoted_lru`: it lowers G03's hit rate to 0.6835, outside
-  the test's 0.2 % bound) a held load done by the first batch formation after its deferral (266; not 84 or 116) puts
+  (4) (`held_reload=True` besides `promoted_lru`: it lowers G03's hit rate to 0.6831-0.6835,
+  outside the test's 0.2 % bound, while raising the exact count) a formation-timed load ((3), (7))
+  done by the first batch formation after its deferral (266, 351, 290; not 84 or 116) puts
   its held blocks back at the free list's head and its admission takes the reload path (0-10
   reloaded into them, 11-63 claimed, the whole prompt computed as the chunk is sized from the GPU
   prefix, 0); a later one releases them empty to the tail with a fresh chunk as before (G03:
@@ -73,7 +74,8 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
   needs; 467 (48.52 s, no mirror block, <= 7576 us, past the divergence) is at odds with 135
   (> 7700 us) as well. Not fitting the pure CPU-tier loads (135, 176, 195, 201, 210, 325, 457):
   a time of the block count alone, of the blocks before the first mirror block, of each run not
-  in the mirror, submission at the request's enqueue time, polls at the step's end. The sys-2
+  in the mirror, submission at the request's enqueue time, polls at the step's end, a completion
+  poll (201 and 210 had a completion in their deferral step, 325 and 467 none). The sys-2
   blocks 44-63 entered the mirror with request 426's fresh warm admission (44.53 s); not mirroring
   warm admissions breaks request 129 (lead 121), not mirroring promoted-only ones 176 (lead 168).
   Found by forcing request 120 late (the completion poll's conflict) and reading BLIS's admissions
@@ -88,7 +90,7 @@ Agreement today (tests/test_reference_offload.py::test_offload_reference_against
   falls back to 136); a later lookup finds them and loads asynchronously (a warm load, holding no
   GPU blocks when only promoted keys come: holding them takes request 115's cached prefix); a warm
   load of n blocks is reported at the first poll at least n x 180 us (promoted keys only; G03 bounds
-  it to 140-233 us) or n x 129 us (from the CPU tier; 128.7-130.8 us) after its submission; the
+  it to 140-233 us; replaced by (2) of session g03c) or n x 129 us (from the CPU tier; 128.7-130.8 us) after its submission; the
   completion poll is dropped; and blocks the legacy mirror continues are reloaded, not promoted
   (request 172: GPU prefix 48 blocks, the mirror 16 more, the offload CPU tier none; without this
   rule 162 exact, 0-161). What BLIS structure this is was not found (a
