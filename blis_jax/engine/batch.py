@@ -318,6 +318,7 @@ def admit_waiting(state: EngineState, dims: EngineDims, params: EngineParams, re
     ops = (params, req, active, preempted)
     cursor = ()
     if dims.offload:
+        state = offload.at_formation(state, dims, params.off, active)   # loads timed at formations
         state = waitqueue.head(state, dims)[0]   # the FIFO head past finished entries
         cursor = offload.cursor_start(state)
     state, budget, stop, cursor = masked_while(cond, body, (state, budget, jnp.asarray(False), cursor), ops)

@@ -23,7 +23,7 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
   submitted once, if the CPU tier has room for it (else refused: KV Thrashing Rate =
   refused / attempted), and is deferred until a poll sees the read done; when every block of the
   run is already coming in by another request's read, no read is submitted (no draw, no attempt):
-  the request joins it (a station-less job, tier -2, finishing with those reads). Admission then
+  the request joins it (a station-less job, JOINED_READ, finishing with those reads). Admission then
   sizes the chunk from the GPU-cached prefix and reloads the CPU continuation as the legacy tier
   does (cpu_tier.reload), free of step time; after a warm load it does not reload: the chunk gets
   fresh blocks at their own positions under their real keys (taking the map entries of blocks
@@ -34,11 +34,14 @@ G03/G04 cases; its docstring says what each point is needed for and where BLIS d
   capacity, own slots `mir_*`): after each step the running requests' full prompt blocks, by their
   GPU blocks' keys, are stored or touched (LRU, cpu_tier.lru_pass). Synchronous reloads come from
   it alone (after an async load: from it or the staging tier; cpu_tier.on_cpu). A request whose
-  prefix the staging tier (or the promoted keys) continues further than the mirror is a warm load:
-  deferred, a station-less job (tier -1) of n x 129 µs (n x 180 µs when only promoted keys come)
-  for its n blocks off the GPU, ready at the first poll past it, admitted the step after; from
-  the deferral to that poll it holds (ref 1, no key) n free-list head blocks (none for promoted
-  keys only), which then go back, empty, to the free list's tail.
+  prefix the staging tier (or the promoted keys) continues further than the mirror is a warm load
+  of its n blocks off the GPU: deferred, a station-less job (WARM_LOAD) ready at the first poll
+  past its duration (a fixed PROMOTED_LOAD_US with any promoted key, else CPU_LOAD_US_PER_BLOCK per
+  block the mirror lacks), admitted the step after; a load whose run the GPU or the mirror
+  continues (FORMATION_LOAD) is done at the first batch formation past FORMATION_LOAD_US_PER_BLOCK
+  per block the mirror lacks, and admitted in it. Until then it holds (ref 1, no key) n free-list
+  head blocks, which then go back, empty, to the free list's tail; none when only promoted keys
+  come or when the GPU holds none of the prompt's blocks.
 * A job's service time: base + bytes / (bandwidth · ramp(depth)), times max(0.05, 1 + N·σ) (one
   draw of the instance's `kv-offload` stream per job when σ > 0, at submission; the draws are
   computed on the host, `norm_draws`), rounded half away from zero, at least 1 µs. Its finish is
@@ -75,6 +78,8 @@ READ, WRITE = 0, 1
 # promotion state of a request
 # WARM_LOADED: a warm (async CPU) load done; its admission takes fresh blocks instead of reloading
 NO_PROMOTION, PROMOTING, PROMOTED, WARM_LOADED = 0, 1, 2, 3
+# the tier of a station-less job: a warm load, a joined read, a warm load timed at batch formations
+WARM_LOAD, JOINED_READ, FORMATION_LOAD = -1, -2, -3
 
 
 class OffloadParams(eqx.Module):
@@ -301,9 +306,19 @@ def submit(off: OffloadState, dims: EngineDims, params: OffloadParams, now, tier
 def poll(state, dims: EngineDims, params: OffloadParams, active):
     """Completions of the jobs finished by the clock: a written key is on its tier and its CPU slot
     unpinned; a promotion's slots become evictable, their keys join the promoted keys' LRU, and its
-    request is ready; a warm load's request is ready too."""
+    request is ready; a warm load's request is ready too (but one timed at batch formations)."""
     off = state.off
-    done = active & (off.job_finish <= state.now)
+    return _complete(state, dims, params, active & (off.job_finish <= state.now) & (off.job_tier != FORMATION_LOAD))
+
+
+def at_formation(state, dims: EngineDims, params: OffloadParams, active):
+    """Before phase 2's skip-scan: the warm loads timed at batch formations that are done by now."""
+    off = state.off
+    return _complete(state, dims, params, active & (off.job_finish <= state.now) & (off.job_tier == FORMATION_LOAD))
+
+
+def _complete(state, dims: EngineDims, params: OffloadParams, done):
+    off = state.off
     state = _remember_promoted(state, dims, params, done & ~off.job_write & (off.job_tier >= 0))
     off = state.off
     writes = done & off.job_write
@@ -315,7 +330,8 @@ def poll(state, dims: EngineDims, params: OffloadParams, active):
     arrived = (off.slot_job >= 0) & reads[jnp.maximum(off.slot_job, 0)]
     slot_ref = jnp.where(arrived & (slot_ref == -1), 0, slot_ref)
     promo = off.promo.at[jnp.where(reads, off.job_item, dims.num_requests)].set(
-        jnp.where(off.job_tier == -1, WARM_LOADED, PROMOTED).astype(jnp.int32), mode="drop")
+        jnp.where((off.job_tier == WARM_LOAD) | (off.job_tier == FORMATION_LOAD), WARM_LOADED, PROMOTED).astype(jnp.int32),
+        mode="drop")
     # a warm load's held GPU blocks go back to the free list's tail, empty, in the order taken
     released = (off.block_job >= 0) & done[jnp.maximum(off.block_job, 0)]
     state = _release_held(state, dims, released)
@@ -555,18 +571,22 @@ def _promote(state, dims: EngineDims, params: OffloadParams, r, keys, j, tier, s
     return _insert(state, dims, params, keys, new & go, -1, job.astype(jnp.int32)), go
 
 
-# A warm load of n blocks is ready at the first poll at least n x these after its submission
-# (found against BLIS's G03 admissions on 2 MiB blocks, tests/reference_offload.py): of promoted
-# keys only, 140-233 µs a block fit; from the staging tier, 128.7-130.8 µs.
-WARM_LOAD_US_PER_BLOCK = 180
+# How long a warm load takes (found against BLIS's G03 admissions on 2 MiB blocks; the reference's
+# `warm_rules`, tests/reference_offload.py, says which request bounds each figure): with any
+# promoted key, a fixed time (8.96-14.91 ms fit); else per block the legacy mirror does not hold
+# (128.7-139.5 µs fit); a load whose run the GPU or the mirror continues is timed at batch
+# formations, per block the mirror does not hold (325.6-563.8 µs fit).
+PROMOTED_LOAD_US = 11_520
 CPU_LOAD_US_PER_BLOCK = 129
+FORMATION_LOAD_US_PER_BLOCK = 420
 
 
-def _warm_load(state, dims: EngineDims, params, r, n_hold, finish, active):
-    """Defer r as a warm load (vLLM load_async): a job (tier -1: no station) ready at the first poll
-    past `finish`, holding `n_hold` GPU blocks from the free-list head, keys dropped, until that
-    poll (poll / _release_held). Returns (state, deferred)."""
-    state, job, go = _stationless_job(state, dims, r, finish, -1, active)
+def _warm_load(state, dims: EngineDims, params, r, n_hold, finish, tier, active):
+    """Defer r as a warm load (vLLM load_async): a job of no station (`tier` WARM_LOAD: ready at the
+    first poll past `finish`; FORMATION_LOAD: at the first batch formation past it), holding
+    `n_hold` GPU blocks from the free-list head, keys dropped, until then (_complete /
+    _release_held). Returns (state, deferred)."""
+    state, job, go = _stationless_job(state, dims, r, finish, tier, active)
     misses = state.kv_misses
     n = jnp.where(go, jnp.minimum(n_hold, state.free_count), 0)
     state, ids = kv.pop_blocks(state, dims, n, params.total_kv_blocks, dims.blocks_per_request)
@@ -582,7 +602,7 @@ def _warm_load(state, dims: EngineDims, params, r, n_hold, finish, active):
 
 
 def _stationless_job(state, dims: EngineDims, r, finish, tier, active):
-    """A job of no station (`tier` -1: a warm load, -2: a joined read) for request r, finishing at
+    """A job of no station (`tier` WARM_LOAD, FORMATION_LOAD or JOINED_READ) for request r, finishing at
     `finish`; r is then PROMOTING. No free job slot is OFFLOAD_FULL. Returns (state, job, taken)."""
     off = state.off
     job = jnp.argmax(off.job_finish == INF_TIME)
@@ -603,9 +623,9 @@ def _stationless_job(state, dims: EngineDims, r, finish, tier, active):
 
 def _join(state, dims: EngineDims, r, finish, active):
     """Defer r on blocks another request's read is bringing in (no read, no draw, no attempt): a
-    job of no station (tier -2) finishing with the last of those reads, so that the poll reporting
+    job of no station (JOINED_READ) finishing with the last of those reads, so that the poll reporting
     them reports r ready. Returns (state, joined)."""
-    state, _, go = _stationless_job(state, dims, r, finish, -2, active)
+    state, _, go = _stationless_job(state, dims, r, finish, JOINED_READ, active)
     return state, go
 
 
@@ -624,13 +644,21 @@ def before_admission(state, dims: EngineDims, params, req, r, n_hit, on_gpu, act
     on_cpu = staged | ((off.pro_key_slot[keys] >= 0) & (j < n_full))
     cpu_run = _run_from(n_hit, on_cpu, j)
     mirror_run = _run_from(n_hit, (off.mir_key_slot[keys] >= 0) & (j < n_full), j)
-    # its blocks: the continuation the CPU holds and the GPU does not; a load only of promoted
-    # keys holds no GPU blocks (G03 request 115: holding 114's 64 takes its cached prefix)
+    # its blocks: the continuation the CPU holds and the GPU does not. A load holds none when only
+    # promoted keys come (G03 request 115: holding 114's 64 takes its cached prefix) or when the GPU
+    # holds none of the prompt's blocks (G03 request 203: 201's held blocks take its prefix)
     n_load = _run_from(n_hit, on_cpu & ~on_gpu, j)
-    promoted_only = ~jnp.any(staged & (j >= n_hit) & (j < n_hit + n_load))
-    per_block = jnp.where(promoted_only, WARM_LOAD_US_PER_BLOCK, CPU_LOAD_US_PER_BLOCK)
-    state, warm = _warm_load(state, dims, params, r, jnp.where(promoted_only, 0, n_load),
-                             state.now + jnp.maximum(n_load, 1) * per_block,
+    loaded = (j >= n_hit) & (j < n_hit + n_load)
+    mirrored = off.mir_key_slot[keys] >= 0
+    unmirrored = jnp.sum(loaded & ~mirrored).astype(jnp.int64)
+    after = jnp.minimum(n_hit + n_load, dims.blocks_per_request - 1)
+    continued = (n_hit + n_load < n_full) & (on_gpu[after] | mirrored[after])
+    no_hold = ~jnp.any(staged & loaded) | ~jnp.any(on_gpu & (j < n_full))
+    took = jnp.where(continued, unmirrored * FORMATION_LOAD_US_PER_BLOCK,
+                     jnp.where(jnp.any(~staged & loaded), PROMOTED_LOAD_US,
+                               jnp.maximum(unmirrored, 1) * CPU_LOAD_US_PER_BLOCK))
+    state, warm = _warm_load(state, dims, params, r, jnp.where(no_hold, 0, n_load), state.now + took,
+                             jnp.where(continued, FORMATION_LOAD, WARM_LOAD).astype(jnp.int32),
                              active & ~deferred & (p == NO_PROMOTION) & (cpu_run > mirror_run))
     deferred = deferred | warm
     off = state.off
