@@ -159,8 +159,10 @@ def test_recorded_ttft_and_e2e_match_the_server(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_recorded_ttft_and_e2e_match_the_server_500_requests(tmp_path):
-    # The target; needs a machine that is not oversubscribed.
+    # The target; needs a machine that is not oversubscribed (CI runs it alone: beside a
+    # second xdist worker compiling, 98.2 % of TTFTs came within 5 ms).
     _timing_run(tmp_path, 500, within_5ms=0.99)
 
 
