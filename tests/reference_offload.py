@@ -483,12 +483,11 @@ class OffloadKVCache(KVCache):
                 break
             n += 1
         req.warm_blocks = n
-        req.warm_promoted_only = self.promoted_lru and all(
-            self.cpu.get(self.block_key(req, j + i, bs), -1) < 0 for i in range(n))
+        promoted = [self.cpu.get(self.block_key(req, j + i, bs), -1) < 0 for i in range(n)]
+        req.warm_promoted_only = self.promoted_lru and all(promoted)
         # a load with some promoted keys is timed as one of promoted keys only (G03 requests 249
         # and 304: 40 and 37 of 64)
-        req.warm_some_promoted = self.warm_rules and any(
-            self.cpu.get(self.block_key(req, j + i, bs), -1) < 0 for i in range(n))
+        req.warm_some_promoted = self.warm_rules and any(promoted)
         # the blocks of a CPU-tier load the legacy mirror does not hold, which time it (G03 requests
         # 201 and 325: 4 and 8 of their 64 in the mirror, done within 8372 and 7918 us, where 195,
         # none in the mirror, needs > 8237 us)
